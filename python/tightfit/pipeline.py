@@ -1,0 +1,100 @@
+"""The compilation pipeline: one ordered list of passes, from imported Relax to VM-ready code.
+
+DESIGN.md "The pipeline". Only passes that exist are listed; each later issue inserts its passes
+at its step. `run_pipeline` applies them one at a time so that the IR after every pass can be
+written out (`dump_ir`) and a failure names the pass it happened in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from .errors import CompilationError
+from .schedules import ParallelizeLoops
+from .target import CompileTarget
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Switches for optional passes; the defaults are what `tightfit compile` uses."""
+
+    parallelize_loops: bool = True
+
+
+def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) -> list[tvm.transform.Pass]:
+    del target  # every pass so far reads the target from the context run_pipeline sets
+    return [
+        # 1. normalize the imported graph (models with `If` import without dataflow blocks)
+        tvm.transform.Sequential([relax.transform.ConvertToDataflow()], name="ConvertToDataflow"),
+        relax.transform.DecomposeOpsForInference(),
+        relax.transform.FoldConstant(),
+        # 2. lower to TIR and fuse
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        # 3. schedule kernels
+        *([ParallelizeLoops()] if options.parallelize_loops else []),
+        # 4. lower dataflow to VM code; plan memory
+        relax.transform.RewriteDataflowReshape(),
+        relax.transform.ToNonDataflow(),
+        relax.transform.RemovePurityChecking(),
+        relax.transform.CallTIRRewrite(),
+        relax.transform.StaticPlanBlockMemory(),
+        relax.transform.LowerAllocTensor(),
+        relax.transform.KillAfterLastUse(),
+        relax.transform.LowerRuntimeBuiltin(),
+        relax.transform.ComputePrimValue(),
+        relax.transform.VMShapeLower(),
+        relax.transform.AttachGlobalSymbol(),
+    ]
+
+
+def pass_name(compiler_pass: tvm.transform.Pass) -> str:
+    return compiler_pass.info.name
+
+
+def run_pipeline(
+    mod: tvm.IRModule,
+    target: CompileTarget,
+    options: PipelineOptions = PipelineOptions(),
+    dump_ir: str | Path | None = None,
+    on_pass: Callable[[str], None] | None = None,
+) -> tvm.IRModule:
+    """Apply every pass of `passes()` in order; write `NN-<pass>.py` to `dump_ir` after each."""
+    pipeline = passes(target, options)
+    dump_dir = Path(dump_ir) if dump_ir is not None else None
+    if dump_dir is not None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        _write_ir(dump_dir / "00-imported.py", mod)
+    with target.tvm_target, tvm.transform.PassContext(opt_level=3):
+        for index, compiler_pass in enumerate(pipeline, start=1):
+            name = pass_name(compiler_pass)
+            if on_pass is not None:
+                on_pass(name)
+            try:
+                mod = compiler_pass(mod)
+            except Exception as err:  # TVM raises its own error types from C++
+                first_line = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+                raise CompilationError(
+                    f"pass {name} failed: {first_line}; rerun with --dump-ir DIR to see the IR "
+                    "it got, and file an issue with that and the model"
+                ) from err
+            if dump_dir is not None:
+                _write_ir(dump_dir / f"{index:02d}-{_file_stem(name)}.py", mod)
+    return mod
+
+
+def _file_stem(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def _write_ir(path: Path, mod: tvm.IRModule) -> None:
+    path.write_text(mod.script(show_meta=False))

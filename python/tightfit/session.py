@@ -1,0 +1,102 @@
+"""Running a compiled package on the host: input checks, the Relax VM, outputs as numpy.
+
+One session serves every input shape the model's symbolic dims allow, with no recompilation.
+Inputs are checked against the ONNX declaration before anything runs, so a wrong name, rank, dim
+or dtype is an InputError that says what the model expects.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .errors import InputError
+from .frontend import TensorSpec
+
+
+class Session:
+    """Runs one package; create it with `Package.session()`."""
+
+    def __init__(self, package, device: tvm.runtime.Device | None = None):
+        self.package = package
+        self.device = device or tvm.cpu()
+        self._vm = relax.VirtualMachine(package.executable, self.device)
+        self._weights = [tvm.runtime.tensor(np.asarray(value), self.device)
+                         for value in package.weights.values()]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [spec.name for spec in self.package.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [spec.name for spec in self.package.outputs]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the model; returns the outputs by ONNX output name, in the graph's order."""
+        arguments = self.prepare_inputs(feeds)
+        result = self._vm["main"](*arguments, *self._weights)
+        values = _flatten(result)
+        return {name: value.numpy() for name, value in zip(self.output_names, values)}
+
+    def prepare_inputs(self, feeds: dict[str, np.ndarray]) -> list[tvm.runtime.Tensor]:
+        """Check `feeds` against the model's inputs and place them on the device."""
+        check_feeds(self.package.inputs, feeds)
+        return [tvm.runtime.tensor(np.ascontiguousarray(feeds[name]), self.device)
+                for name in self.input_names]
+
+    def time_run(self, feeds: dict[str, np.ndarray], number: int = 1, repeat: int = 20,
+                 min_repeat_ms: int = 0) -> list[float]:
+        """Seconds per run for `repeat` measurements, timed inside the VM (no Python overhead)."""
+        arguments = self.prepare_inputs(feeds)
+        self._vm.set_input("main", *arguments, *self._weights)
+        self._vm.invoke_stateful("main")  # warm-up: first-touch of memory and code pages
+        timer = self._vm.time_evaluator("invoke_stateful", self.device, number=number,
+                                        repeat=repeat, min_repeat_ms=min_repeat_ms)
+        return list(timer("main").results)
+
+
+def check_feeds(specs: list[TensorSpec], feeds: dict[str, np.ndarray]) -> None:
+    """Raise InputError unless `feeds` has exactly the declared inputs with fitting shapes."""
+    expected = [spec.name for spec in specs]
+    missing = [name for name in expected if name not in feeds]
+    unknown = [name for name in feeds if name not in expected]
+    if missing or unknown:
+        raise InputError(f"the model takes inputs {expected}; missing {missing}, unknown {unknown}")
+    symbol_values: dict[str, tuple[int, str]] = {}
+    for spec in specs:
+        value = feeds[spec.name]
+        if not isinstance(value, np.ndarray):
+            raise InputError(f"input {spec.name} must be a numpy array, got {type(value).__name__}")
+        if str(value.dtype) != spec.dtype:
+            raise InputError(f"input {spec.name} must be {spec.dtype}, got {value.dtype}; "
+                             f"convert it with .astype(np.{spec.dtype})")
+        if spec.shape is None:
+            continue
+        if value.ndim != len(spec.shape):
+            raise InputError(f"input {spec.name} must have rank {len(spec.shape)} "
+                             f"(shape {_show(spec.shape)}), got shape {value.shape}")
+        for axis, (declared, actual) in enumerate(zip(spec.shape, value.shape)):
+            if isinstance(declared, int):
+                if declared != actual:
+                    raise InputError(f"input {spec.name} must have shape {_show(spec.shape)}, got "
+                                     f"{value.shape} (axis {axis} is fixed at {declared})")
+                continue
+            seen = symbol_values.setdefault(declared, (actual, f"{spec.name} axis {axis}"))
+            if seen[0] != actual:
+                raise InputError(f"dim {declared} is {seen[0]} at {seen[1]} but {actual} at "
+                                 f"{spec.name} axis {axis}; the model needs them equal")
+
+
+def _flatten(result) -> list[tvm.runtime.Tensor]:
+    if isinstance(result, tvm.runtime.Tensor):
+        return [result]
+    values = []
+    for item in result:
+        values.extend(_flatten(item))
+    return values
+
+
+def _show(shape) -> str:
+    return "(" + ", ".join(str(dim) for dim in shape) + ")"
