@@ -1,5 +1,5 @@
 """TIR schedules and kernel variants for tightfit's targets."""
 
-from .parallel_loops import ParallelizeLoops
+from .fallback_cpu import FallbackCPUSchedule
 
-__all__ = ["ParallelizeLoops"]
+__all__ = ["FallbackCPUSchedule"]

@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from .errors import CompilationError
-from .schedules import ParallelizeLoops
+from .schedules import FallbackCPUSchedule
 from .target import CompileTarget
 
 
@@ -24,7 +24,7 @@ from .target import CompileTarget
 class PipelineOptions:
     """Switches for optional passes; the defaults are what `tightfit compile` uses."""
 
-    parallelize_loops: bool = True
+    fallback_schedule: bool = True
 
 
 def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) -> list[tvm.transform.Pass]:
@@ -41,7 +41,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         # 3. schedule kernels
-        *([ParallelizeLoops()] if options.parallelize_loops else []),
+        *([FallbackCPUSchedule()] if options.fallback_schedule else []),
         # 4. lower dataflow to VM code; plan memory
         relax.transform.RewriteDataflowReshape(),
         relax.transform.ToNonDataflow(),

@@ -1,10 +1,18 @@
-"""tightfit's ONNX op converters: where TVM 0.27's importer fails on real models, and new ops.
+"""tightfit's ONNX op converters, gathered from the `ops_*.py` modules beside this file.
 
-Each class follows TVM's `OnnxOpConverter` protocol (`_impl_vN(cls, bb, inputs, attr, params)`,
-the highest N not above the model's opset is used) and is listed in CONVERTERS, which the importer
-consults before TVM's own table. Say in each docstring what TVM does wrong and for which models.
+Each module holds converters for one family of ops and exposes its own `CONVERTERS` dict (ONNX op
+type → class). A class follows TVM's `OnnxOpConverter` protocol (`_impl_vN(cls, bb, inputs, attr,
+params)`; the highest N not above the model's opset is used). The importer consults this table
+before TVM's own, so a class here replaces TVM's converter for that op. Each docstring says what
+TVM 0.27 does wrong and which models need the fix.
 """
 
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
+CONVERTER_MODULES = []
+
 CONVERTERS: dict[str, type[OnnxOpConverter]] = {}
+for _module in CONVERTER_MODULES:
+    _clash = set(CONVERTERS) & set(_module.CONVERTERS)
+    assert not _clash, f"{_module.__name__} converts {_clash} again"
+    CONVERTERS.update(_module.CONVERTERS)

@@ -126,7 +126,7 @@ def import_onnx(model: str | Path | onnx.ModelProto,
     if unsupported:
         raise UnsupportedOperatorError(unsupported)
 
-    inputs = _declared_inputs(proto.graph)
+    inputs = declared_inputs(proto.graph)
     if input_shapes:
         unknown = set(input_shapes) - {spec.name for spec in inputs}
         if unknown:
@@ -194,7 +194,7 @@ class _TightfitGraphImporter(onnx_frontend.ONNXGraphImporter):
         return converted
 
 
-def _declared_inputs(graph: onnx.GraphProto) -> list[TensorSpec]:
+def declared_inputs(graph: onnx.GraphProto) -> list[TensorSpec]:
     initializers = {init.name for init in graph.initializer}
     return [_tensor_spec(value_info) for value_info in graph.input
             if value_info.name not in initializers]

@@ -1,0 +1,301 @@
+"""Benchmark: tightfit against onnxruntime and TVM's default Relax build, in one process.
+
+DESIGN.md "Measuring". For each model and each input shape: the first run at that shape (a shape
+not seen before), then the median of `repeat` timed runs after warm-up. The engines take turns in
+ROUNDS rounds so that drift on the shared machine hits all alike; each turn starts with a pause
+and an untimed run, because onnxruntime's idle threads spin for tens of milliseconds after a run
+and, interleaved run by run, made TVM's thread pool 20x slower (measured: 23.7 ms instead of
+1.2 ms on a small conv net). Engines:
+- tightfit: `tightfit.compile` for the host;
+- onnxruntime: an InferenceSession with default session options (what its users get);
+- tvm-default: `from_onnx` + `tvm.compile(mod, target)` with TVM's default pipeline.
+Every engine runs on the same thread count (tightfit and TVM share TVM's pool, sized by
+TVM_NUM_THREADS; onnxruntime's default is one thread per physical core). Peak memory is the peak
+RSS of a fresh process that loads and runs the model once, minus that of a process that only
+imports the same libraries. An engine that cannot import or run a model is reported as failed with
+its reason, and the others are still measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .feeds import max_abs_error, random_feeds
+from .frontend import load_onnx
+from .frontend import declared_inputs
+
+ENGINES = ("tightfit", "onnxruntime", "tvm-default")
+ROUNDS = 4
+PAUSE_BETWEEN_ENGINES_S = 0.1
+
+
+@dataclass
+class ShapeTiming:
+    shapes: dict[str, list[int]]
+    first_run_ms: dict[str, float] = field(default_factory=dict)
+    median_ms: dict[str, float] = field(default_factory=dict)
+    max_abs_error: float | None = None
+
+
+@dataclass
+class ModelBenchmark:
+    model: str
+    threads: int
+    repeat: int
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    shapes: list[ShapeTiming] = field(default_factory=list)
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
+
+    def ratio(self, timing: ShapeTiming, other: str) -> float | None:
+        ours, theirs = timing.median_ms.get("tightfit"), timing.median_ms.get(other)
+        return None if ours is None or theirs is None else ours / theirs
+
+
+def benchmark_model(
+    model: str | Path | onnx.ModelProto,
+    shape_sets: list[dict[str, tuple[int, ...]]],
+    name: str | None = None,
+    repeat: int = 20,
+    warmup: int = 3,
+    measure_memory: bool = True,
+    feeds_for: Callable[[dict[str, tuple[int, ...]]], dict[str, np.ndarray]] | None = None,
+) -> ModelBenchmark:
+    """Measure one model at each of `shape_sets` (input name → concrete shape)."""
+    proto = load_onnx(model)
+    specs = declared_inputs(proto.graph)
+    threads = int(os.environ.get("TVM_NUM_THREADS", len(os.sched_getaffinity(0))))
+    result = ModelBenchmark(name or proto.graph.name or "model", threads, repeat)
+    runners = _build_engines(proto, result)
+    feeds_for = feeds_for or (lambda shapes: random_feeds(specs, shapes))
+    for shapes in shape_sets:
+        feeds = feeds_for(shapes)
+        timing = ShapeTiming({k: list(v) for k, v in shapes.items()})
+        outputs = {}
+        for engine, run in list(runners.items()):
+            try:
+                started = time.perf_counter()
+                outputs[engine] = run(feeds)
+                timing.first_run_ms[engine] = (time.perf_counter() - started) * 1e3
+            except Exception as err:  # an engine failing at one shape is a result, not a crash
+                result.failures[engine] = f"run at {timing.shapes}: {_error_summary(err)}"
+                del runners[engine]
+        if "tightfit" in outputs and "onnxruntime" in outputs:
+            timing.max_abs_error = max_abs_error(outputs["tightfit"], outputs["onnxruntime"])
+        for _ in range(warmup):
+            for run in runners.values():
+                run(feeds)
+        samples: dict[str, list[float]] = {engine: [] for engine in runners}
+        for turn in range(ROUNDS):
+            runs_this_turn = repeat // ROUNDS + (turn < repeat % ROUNDS)
+            for engine, run in runners.items():
+                time.sleep(PAUSE_BETWEEN_ENGINES_S)
+                run(feeds)
+                for _ in range(runs_this_turn):
+                    started = time.perf_counter()
+                    run(feeds)
+                    samples[engine].append((time.perf_counter() - started) * 1e3)
+        timing.median_ms = {engine: statistics.median(values) for engine, values in samples.items()}
+        result.shapes.append(timing)
+    if measure_memory and shape_sets:
+        result.peak_rss_mb = _measure_peak_rss(proto, shape_sets[-1], result)
+    return result
+
+
+def _build_engines(proto: onnx.ModelProto, result: ModelBenchmark) -> dict[str, Callable]:
+    builders = {"tightfit": _tightfit_runner, "onnxruntime": _onnxruntime_runner,
+                "tvm-default": _tvm_default_runner}
+    runners = {}
+    for engine, build in builders.items():
+        started = time.perf_counter()
+        try:
+            runners[engine] = build(proto)
+        except Exception as err:  # report and go on with the other engines
+            result.failures[engine] = f"build: {_error_summary(err)}"
+            continue
+        result.compile_seconds[engine] = round(time.perf_counter() - started, 3)
+    return runners
+
+
+def _tightfit_runner(proto: onnx.ModelProto) -> Callable:
+    from .api import compile as tightfit_compile
+
+    session = tightfit_compile(proto).session()
+    return session.run
+
+
+def _onnxruntime_runner(proto: onnx.ModelProto) -> Callable:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(proto.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs()]
+    return lambda feeds: dict(zip(names, session.run(names, feeds)))
+
+
+def tvm_default_build(proto: onnx.ModelProto):
+    """TVM's own path for an ONNX file: stock importer, default pipeline, host target."""
+    import tvm
+    from tvm.relax.frontend.onnx import from_onnx
+
+    from .target import resolve_target
+
+    mod = from_onnx(proto)
+    return tvm.compile(mod, resolve_target("host").tvm_target)
+
+
+def _tvm_default_runner(proto: onnx.ModelProto) -> Callable:
+    return _vm_runner(tvm_default_build(proto), [o.name for o in proto.graph.output],
+                      [s.name for s in declared_inputs(proto.graph)])
+
+
+def _vm_runner(executable, output_names: list[str], input_names: list[str]) -> Callable:
+    import tvm
+    from tvm import relax
+
+    from .session import _flatten
+
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+
+    def run(feeds):
+        arguments = [tvm.runtime.tensor(np.ascontiguousarray(feeds[name])) for name in input_names]
+        values = _flatten(vm["main"](*arguments))
+        return {name: value.numpy() for name, value in zip(output_names, values)}
+
+    return run
+
+
+# --- peak memory, each engine in a fresh process ----------------------------------------------
+
+def _measure_peak_rss(proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
+                      result: ModelBenchmark) -> dict[str, float]:
+    peaks = {}
+    with tempfile.TemporaryDirectory(prefix="tightfit-bench-") as scratch:
+        model_path = Path(scratch) / "model.onnx"
+        onnx.save(proto, str(model_path))
+        artifacts = {"onnxruntime": str(model_path)}
+        if "tightfit" not in result.failures:
+            from .api import compile as tightfit_compile
+
+            artifacts["tightfit"] = str(tightfit_compile(proto).save(Path(scratch) / "model.tfpkg"))
+        if "tvm-default" not in result.failures:
+            library = Path(scratch) / "tvm_default.so"
+            tvm_default_build(proto).export_library(str(library))
+            artifacts["tvm-default"] = str(library)
+        baseline = _run_memory_worker({"engine": "none"})
+        for engine, artifact in artifacts.items():
+            job = {"engine": engine, "artifact": artifact, "model": str(model_path),
+                   "shapes": {k: list(v) for k, v in shapes.items()}}
+            try:
+                peaks[engine] = round((_run_memory_worker(job) - baseline) / 1024, 1)
+            except RuntimeError as err:
+                result.failures.setdefault(engine, f"memory: {err}")
+    return peaks
+
+
+def _run_memory_worker(job: dict) -> int:
+    """Peak RSS in KiB of a fresh interpreter doing `job` (see `_memory_worker`)."""
+    completed = subprocess.run([sys.executable, "-m", "tightfit.bench", json.dumps(job)],
+                               capture_output=True, text=True, timeout=600)
+    if completed.returncode != 0:
+        raise RuntimeError(_last_line(completed.stderr) or f"exit code {completed.returncode}")
+    return int(completed.stdout.strip().splitlines()[-1])
+
+
+def _memory_worker(job: dict) -> None:
+    import resource
+
+    import onnxruntime  # noqa: F401 - every worker imports the same libraries as the baseline
+    import tvm
+
+    from . import load
+    from .feeds import random_feeds
+
+    if job["engine"] != "none":
+        proto = onnx.load(job["model"], load_external_data=False)
+        specs = declared_inputs(proto.graph)
+        feeds = random_feeds(specs, {k: tuple(v) for k, v in job["shapes"].items()})
+        if job["engine"] == "tightfit":
+            load(job["artifact"]).session().run(feeds)
+        elif job["engine"] == "onnxruntime":
+            _onnxruntime_runner(proto)(feeds)
+        else:
+            executable = tvm.runtime.load_module(job["artifact"])
+            _vm_runner(executable, [o.name for o in proto.graph.output],
+                       [s.name for s in specs])(feeds)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+# --- reports -----------------------------------------------------------------------------------
+
+def markdown_table(results: list[ModelBenchmark]) -> str:
+    header = ("| model | shape | tightfit ms | onnxruntime ms | tvm-default ms | tightfit/ORT | "
+              "tightfit/TVM | first run ms (tf / ORT / TVM) | max abs err |")
+    lines = [header, "|" + "---|" * 9]
+    for result in results:
+        for timing in result.shapes:
+            ms = timing.median_ms
+            first = timing.first_run_ms
+            lines.append("| " + " | ".join([
+                result.model,
+                "; ".join(f"{k}={'x'.join(map(str, v))}" for k, v in timing.shapes.items()),
+                _fmt(ms.get("tightfit")), _fmt(ms.get("onnxruntime")), _fmt(ms.get("tvm-default")),
+                _fmt(result.ratio(timing, "onnxruntime"), "x"),
+                _fmt(result.ratio(timing, "tvm-default"), "x"),
+                " / ".join(_fmt(first.get(engine)) for engine in ENGINES),
+                "-" if timing.max_abs_error is None else f"{timing.max_abs_error:.1e}",
+            ]) + " |")
+    memory = [r for r in results if r.peak_rss_mb]
+    if memory:
+        lines += ["", "| model | peak RSS MB tightfit | onnxruntime | tvm-default |", "|---|---|---|---|"]
+        lines += [f"| {r.model} | " + " | ".join(_fmt(r.peak_rss_mb.get(e)) for e in ENGINES) + " |"
+                  for r in memory]
+    failures = [(r.model, engine, why) for r in results for engine, why in r.failures.items()]
+    if failures:
+        lines += ["", "Failures:"] + [f"- {model} / {engine}: {why}" for model, engine, why in failures]
+    threads = sorted({r.threads for r in results})
+    lines += ["", f"Threads: {', '.join(map(str, threads))} (TVM_NUM_THREADS; onnxruntime default "
+              f"session options). Median of the timed runs after warm-up, engines taking turns in {ROUNDS} rounds."]
+    return "\n".join(lines)
+
+
+def write_reports(results: list[ModelBenchmark], directory: str | Path) -> tuple[Path, Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / "bench.json"
+    json_path.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    markdown_path = directory / "bench.md"
+    markdown_path.write_text(markdown_table(results) + "\n")
+    return json_path, markdown_path
+
+
+def _fmt(value: float | None, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}{suffix}" if value < 100 else f"{value:.0f}{suffix}"
+
+
+def _error_summary(error: Exception) -> str:
+    return _last_line(str(error)) or type(error).__name__
+
+
+def _last_line(text: str) -> str:
+    """TVM puts the message on the last line of its multi-line errors."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+if __name__ == "__main__":
+    _memory_worker(json.loads(sys.argv[1]))

@@ -1,0 +1,115 @@
+"""The fallback CPU schedule: inline injective blocks, then run outer loops on the thread pool.
+
+Every lowered PrimFunc that no specialized kernel (issue 5) claims gets this schedule:
+1. Inlining. FuseTIR only concatenates the blocks of a fused group; each block still writes a
+   whole intermediate buffer. Padding and other injective producers are inlined into their
+   consumers, elementwise epilogues into each other, until nothing more inlines.
+2. Parallel loops. For each remaining top-level block, up to MAX_FUSED_LOOPS leading loops that
+   only feed spatial (data-parallel) block iterators are fused and marked parallel; this works for
+   symbolic extents. Fusing deeper would make every element pay integer divisions by symbolic
+   extents to recover its indices, and parallelizing inner loops instead starts a parallel region
+   per outer iteration (TVM-0.27-NOTES §5) — both measured slower. Nests whose parallel extent is
+   known to be small stay serial, where waking threads would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+
+# A fused parallel extent known to be below this runs serially.
+MIN_PARALLEL_EXTENT = 16
+MAX_FUSED_LOOPS = 2
+
+
+@tvm.transform.module_pass(opt_level=0, name="tightfit.FallbackCPUSchedule")
+class FallbackCPUSchedule:
+    """Inline injective blocks and parallelize outer loops of every unscheduled PrimFunc."""
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        mod = mod.clone()
+        for global_var, func in list(mod.functions.items()):
+            if isinstance(func, tirx.PrimFunc) and not _is_scheduled(func):
+                mod[global_var] = schedule_prim_func(func)
+        return mod
+
+
+def schedule_prim_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    schedule = s_tir.Schedule(func)
+    _inline_injective_blocks(schedule)
+    root = schedule.get_sblock("root")
+    for block in schedule.get_child_blocks(root):
+        loops = schedule.get_loops(block)
+        count = min(MAX_FUSED_LOOPS, _leading_spatial_loop_count(schedule, block, loops))
+        if count == 0:
+            continue
+        fused = schedule.fuse(*loops[:count]) if count > 1 else loops[0]
+        extent = schedule.get(fused).extent
+        if isinstance(extent, tirx.IntImm) and extent.value < MIN_PARALLEL_EXTENT:
+            continue
+        schedule.parallel(fused)
+    return schedule.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _inline_injective_blocks(schedule: s_tir.Schedule) -> None:
+    """Inline blocks into consumers (or producers) until no block can be inlined any more.
+
+    A block is not inlined into a reduction: padding inlined into a convolution would evaluate
+    its bounds check once per multiply-add instead of once per element (measured 2x slower).
+    The schedule primitives check legality themselves (an output block, a reduction or a
+    non-injective access is refused with a ScheduleError), so trying is the test.
+    """
+    changed = True
+    while changed:
+        changed = False
+        root = schedule.get_sblock("root")
+        for block in schedule.get_child_blocks(root):
+            if any(_is_reduction(schedule, consumer) for consumer in schedule.get_consumers(block)):
+                inlines = (schedule.reverse_compute_inline,)
+            else:
+                inlines = (schedule.compute_inline, schedule.reverse_compute_inline)
+            for inline in inlines:
+                try:
+                    inline(block)
+                except s_tir.ScheduleError:
+                    continue
+                changed = True
+                break
+            if changed:
+                break
+
+
+def _is_reduction(schedule: s_tir.Schedule, block) -> bool:
+    return any(iter_var.iter_type != tirx.IterVar.DataPar for iter_var in schedule.get(block).iter_vars)
+
+
+def _leading_spatial_loop_count(schedule: s_tir.Schedule, block, loops) -> int:
+    """How many outer loops of `block` can run in parallel as one fused loop.
+
+    A loop qualifies while it is serial, none of the block's reduction iterators reads its
+    variable, and it wraps a single statement (fusing past a loop that holds several nests would
+    interleave them). The first loop with several children may still be fused as the last one.
+    """
+    realize = _get_sblock_realize(schedule, block)
+    reduction_vars = set()
+    for iter_var, binding in zip(realize.block.iter_vars, realize.iter_values):
+        if iter_var.iter_type != tirx.IterVar.DataPar:
+            reduction_vars.update(tirx.analysis.undefined_vars(binding))
+    count = 0
+    for loop in loops:
+        loop_stmt = schedule.get(loop)
+        if loop_stmt.kind != tirx.ForKind.SERIAL or any(
+            loop_stmt.loop_var.same_as(var) for var in reduction_vars
+        ):
+            break
+        count += 1
+        if isinstance(loop_stmt.body, tirx.SeqStmt):
+            break
+    return count
+
+
+_get_sblock_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+
+
+def _is_scheduled(func: tirx.PrimFunc) -> bool:
+    return func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))
