@@ -170,7 +170,7 @@ def _vm_runner(executable, output_names: list[str], input_names: list[str]) -> C
     vm = relax.VirtualMachine(executable, tvm.cpu())
 
     def run(feeds):
-        arguments = [tvm.runtime.tensor(np.ascontiguousarray(feeds[name])) for name in input_names]
+        arguments = [tvm.runtime.tensor(np.asarray(feeds[name], order="C")) for name in input_names]
         values = _flatten(vm["main"](*arguments))
         return {name: value.numpy() for name, value in zip(output_names, values)}
 
@@ -215,8 +215,6 @@ def _run_memory_worker(job: dict) -> int:
 
 
 def _memory_worker(job: dict) -> None:
-    import resource
-
     import onnxruntime  # noqa: F401 - every worker imports the same libraries as the baseline
     import tvm
 
@@ -235,7 +233,17 @@ def _memory_worker(job: dict) -> None:
             executable = tvm.runtime.load_module(job["artifact"])
             _vm_runner(executable, [o.name for o in proto.graph.output],
                        [s.name for s in specs])(feeds)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    print(peak_rss_kib())
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: that survives exec,
+    so a child started from a large parent would report the parent's peak."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
 # --- reports -----------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ class ConversionError(TightfitError):
         self.op_type = op_type
         super().__init__(
             f"cannot convert node {node_name or '<unnamed>'} ({op_type}): {reason}; "
-            "if an input shape is dynamic, try fixing it with --shape NAME=DIMS"
+            "`tightfit inspect` shows what tightfit infers for the model, and fixing a dynamic "
+            "input with --shape NAME=DIMS may help; otherwise file an issue with the model"
         )
 
 

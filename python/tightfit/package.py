@@ -132,7 +132,7 @@ def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict]:
     offset = 0
     with open(path, "wb") as weight_file:
         for name, array in weights.items():
-            data = np.ascontiguousarray(array)
+            data = np.asarray(array, order="C")  # ascontiguousarray would make 0-d arrays 1-d
             padding = -offset % PAGE_SIZE
             weight_file.write(b"\0" * padding)
             offset += padding
@@ -146,18 +146,23 @@ def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict]:
 
 
 def _read_weights(path: Path, index: list[dict]) -> dict[str, np.ndarray]:
+    """Read-only numpy views of the weights in a mapping of the weight file (no copy)."""
     file_size = path.stat().st_size
+    mapping = None
+    if file_size:
+        with open(path, "rb") as weight_file:
+            mapping = mmap.mmap(weight_file.fileno(), 0, access=mmap.ACCESS_READ)
     weights = {}
     for entry in index:
-        if entry["offset"] + entry["size"] > file_size:
-            raise PackageError(f"{path} is truncated: weight {entry['name']} ends at byte "
-                               f"{entry['offset'] + entry['size']} of {file_size}; compile the "
-                               "package again")
-        if entry["size"] == 0:
-            weights[entry["name"]] = np.zeros(entry["shape"], dtype=entry["dtype"])
-            continue
-        weights[entry["name"]] = np.memmap(path, dtype=entry["dtype"], mode="r",
-                                           offset=entry["offset"], shape=tuple(entry["shape"]))
+        end = entry["offset"] + entry["size"]
+        if end > file_size:
+            raise PackageError(f"{path} is truncated: weight {entry['name']} ends at byte {end} "
+                               f"of {file_size}; compile the package again")
+        dtype = np.dtype(entry["dtype"])
+        count = entry["size"] // dtype.itemsize
+        flat = (np.frombuffer(mapping, dtype=dtype, count=count, offset=entry["offset"])
+                if count else np.zeros(0, dtype=dtype))
+        weights[entry["name"]] = flat.reshape(entry["shape"])
     return weights
 
 

@@ -43,7 +43,7 @@ class Session:
     def prepare_inputs(self, feeds: dict[str, np.ndarray]) -> list[tvm.runtime.Tensor]:
         """Check `feeds` against the model's inputs and place them on the device."""
         check_feeds(self.package.inputs, feeds)
-        return [tvm.runtime.tensor(np.ascontiguousarray(feeds[name]), self.device)
+        return [tvm.runtime.tensor(np.asarray(feeds[name], order="C"), self.device)
                 for name in self.input_names]
 
     def time_run(self, feeds: dict[str, np.ndarray], number: int = 1, repeat: int = 20,
