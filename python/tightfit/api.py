@@ -35,24 +35,15 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
     started = time.perf_counter()
     imported = import_onnx(proto, input_shapes)
     import_seconds = time.perf_counter() - started
-    pass_times: list[dict] = []
-    last = [time.perf_counter(), None]
-
-    def record_pass(name: str) -> None:
-        now = time.perf_counter()
-        if last[1] is not None:
-            pass_times.append({"pass": last[1], "seconds": round(now - last[0], 4)})
-        last[:] = [now, name]
-        if on_pass is not None:
-            on_pass(name)
-
-    lowered = run_pipeline(imported.mod, compile_target, options, dump_ir, record_pass)
-    record_pass("build")
+    lowered, pass_times = run_pipeline(imported.mod, compile_target, options, dump_ir, on_pass)
+    if on_pass is not None:
+        on_pass("build")
+    build_started = time.perf_counter()
     try:
         executable = relax.build(lowered, compile_target.tvm_target, relax_pipeline=None)
     except Exception as err:  # TVM's C++ errors
         raise CompilationError(f"code generation failed: {str(err).strip().splitlines()[-1]}") from err
-    record_pass(None)
+    pass_times.append({"pass": "build", "seconds": round(time.perf_counter() - build_started, 4)})
     report = {
         "import_seconds": round(import_seconds, 4),
         "compile_seconds": round(time.perf_counter() - started, 3),

@@ -8,6 +8,7 @@ written out (`dump_ir`) and a failure names the pass it happened in.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +68,14 @@ def run_pipeline(
     options: PipelineOptions = PipelineOptions(),
     dump_ir: str | Path | None = None,
     on_pass: Callable[[str], None] | None = None,
-) -> tvm.IRModule:
-    """Apply every pass of `passes()` in order; write `NN-<pass>.py` to `dump_ir` after each."""
+) -> tuple[tvm.IRModule, list[dict]]:
+    """Apply every pass of `passes()` in order; write `NN-<pass>.py` to `dump_ir` after each.
+
+    Returns the lowered module and the seconds each pass took; `on_pass` hears each pass's name
+    as it starts.
+    """
     pipeline = passes(target, options)
+    pass_times: list[dict] = []
     dump_dir = Path(dump_ir) if dump_ir is not None else None
     if dump_dir is not None:
         dump_dir.mkdir(parents=True, exist_ok=True)
@@ -79,6 +85,7 @@ def run_pipeline(
             name = pass_name(compiler_pass)
             if on_pass is not None:
                 on_pass(name)
+            started = time.perf_counter()
             try:
                 mod = compiler_pass(mod)
             except Exception as err:  # TVM raises its own error types from C++
@@ -87,9 +94,10 @@ def run_pipeline(
                     f"pass {name} failed: {first_line}; rerun with --dump-ir DIR to see the IR "
                     "it got, and file an issue with that and the model"
                 ) from err
+            pass_times.append({"pass": name, "seconds": round(time.perf_counter() - started, 4)})
             if dump_dir is not None:
                 _write_ir(dump_dir / f"{index:02d}-{_file_stem(name)}.py", mod)
-    return mod
+    return mod, pass_times
 
 
 def _file_stem(name: str) -> str:

@@ -1,0 +1,41 @@
+"""A session checks its inputs before running and says what the model expects."""
+
+import numpy as np
+import pytest
+
+from tightfit.errors import InputError
+from tightfit.frontend import TensorSpec
+from tightfit.session import check_feeds
+
+SPECS = [TensorSpec("ids", ("batch", "seq"), "int64"), TensorSpec("mask", ("batch", "seq"), "float32"),
+         TensorSpec("scale", (1,), "float32")]
+
+
+def feeds(**overrides):
+    base = {"ids": np.zeros((2, 5), np.int64), "mask": np.ones((2, 5), np.float32),
+            "scale": np.ones((1,), np.float32)}
+    base.update(overrides)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def test_matching_feeds_pass():
+    check_feeds(SPECS, feeds())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mask": None}, r"missing \['mask'\]"),
+    ({"extra": np.zeros(1)}, r"unknown \['extra'\]"),
+    ({"mask": np.ones((2, 5), np.float64)}, r"must be float32, got float64; convert it"),
+    ({"ids": np.zeros((2, 5, 1), np.int64)}, r"must have rank 2"),
+    ({"scale": np.ones((2,), np.float32)}, r"axis 0 is fixed at 1"),
+    ({"mask": np.ones((2, 6), np.float32)}, r"dim seq is 5 at ids axis 1 but 6 at mask axis 1"),
+    ({"ids": [[1, 2]]}, r"must be a numpy array"),
+])
+def test_wrong_feeds_name_the_problem(overrides, message):
+    with pytest.raises(InputError, match=message):
+        check_feeds(SPECS, feeds(**overrides))
+
+
+def test_session_rejects_wrong_input_before_running(mlp_package):
+    with pytest.raises(InputError, match="the model takes inputs"):
+        mlp_package.session().run({"input": np.zeros((1, 8), np.float32)})
