@@ -37,6 +37,7 @@ _TVM_SHAPE_COMPATIBLE_OPS = frozenset(
      "Equal", "Where", "Cast", "CastLike", "Squeeze"]
 )
 _OPS_HANDLED_BY_IMPORTER = frozenset(["If", "Constant"])
+MAX_BOUND_WEIGHT_ELEMENTS = 64
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,27 @@ def import_onnx(model: str | Path | onnx.ModelProto,
     )
     mod = importer.from_onnx(proto.graph, _default_opset(proto))
     weights = {name: value.numpy() for name, (_, value) in importer._params.items()}
+    mod, weights = _bind_small_weights(mod, weights)
     outputs = [_tensor_spec(value_info) for value_info in proto.graph.output]
     return ImportedModel(mod, weights, inputs, outputs, proto)
+
+
+def _bind_small_weights(mod: tvm.IRModule, weights: dict[str, np.ndarray]):
+    """Make initializers of at most MAX_BOUND_WEIGHT_ELEMENTS elements constants of the IR.
+
+    Small initializers are shapes, axes, scales and clip bounds: as constants they fold, and ops
+    that need their values (Reshape, Clip, Pad) see them. Large ones stay parameters of `main`,
+    stored in the package's weight file. The importer's `params` attribute, a second copy of
+    every weight inside the IR, is dropped.
+    """
+    small = {name: value for name, value in weights.items()
+             if value.size <= MAX_BOUND_WEIGHT_ELEMENTS}
+    mod = mod.clone()
+    mod["main"] = mod["main"].without_attr("params")
+    if small:
+        mod = relax.transform.BindParams("main", {name: tvm.runtime.tensor(value)
+                                                  for name, value in small.items()})(mod)
+    return mod, {name: value for name, value in weights.items() if name not in small}
 
 
 class _TightfitGraphImporter(onnx_frontend.ONNXGraphImporter):
