@@ -42,9 +42,9 @@ def test_saved_package_round_trips_weights_and_specs(mlp_package, tmp_path):
     mlp_package.save(tmp_path / "m.tfpkg")
     loaded = tightfit.load(tmp_path / "m.tfpkg")
     assert [s.to_json() for s in loaded.inputs] == [s.to_json() for s in mlp_package.inputs]
-    assert list(loaded.weights) == list(mlp_package.weights)
-    for name, value in mlp_package.weights.items():
-        np.testing.assert_array_equal(loaded.weights[name], value)
+    assert [(w.name, w.key) for w in loaded.weights] == [(w.name, w.key) for w in mlp_package.weights]
+    for loaded_weight, compiled_weight in zip(loaded.weights, mlp_package.weights):
+        np.testing.assert_array_equal(loaded_weight.value, compiled_weight.value)
     x = np.ones((5, 8), np.float32)
     np.testing.assert_allclose(loaded.session().run({"x": x})["y"],
                                mlp_package.session().run({"x": x})["y"])
@@ -55,14 +55,15 @@ def test_saving_over_an_existing_package_replaces_it_whole(mlp_package, convnet_
     mlp_package.save(destination)
     tightfit.compile(convnet_model).save(destination)
     assert [s.name for s in tightfit.load(destination).inputs] == ["image"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.tfpkg"]
+    # the writers' lock file stays; no staging or retired directory does
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.tfpkg.lock", "model.tfpkg"]
 
 
 def test_failed_save_leaves_no_partial_package(mlp_package, tmp_path, monkeypatch):
     def broken_export(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tightfit.package, "_write_weights", broken_export)
+    monkeypatch.setattr(tightfit.package, "write_weight_file", broken_export)
     with pytest.raises(OSError, match="disk full"):
         mlp_package.save(tmp_path / "model.tfpkg")
     assert list(tmp_path.iterdir()) == []
@@ -70,8 +71,8 @@ def test_failed_save_leaves_no_partial_package(mlp_package, tmp_path, monkeypatc
 
 def test_loading_an_unfinished_or_truncated_package_is_refused(mlp_package, tmp_path):
     path = mlp_package.save(tmp_path / "m.tfpkg")
-    weights = path / "weights.bin"
-    weights.write_bytes(weights.read_bytes()[:100])
+    weights = path / "weights.tfw"
+    weights.write_bytes(weights.read_bytes()[:4200])  # inside the first blob (page 2)
     with pytest.raises(PackageError, match="truncated"):
         tightfit.load(path)
     (path / "manifest.json").unlink()

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import onnx
 from tvm import relax, tirx
 
-from .errors import CompilationError
+from .errors import CompilationError, CorruptPackageError, PackageError, StalePackageError
 from .frontend import import_onnx, load_onnx
-from .package import Package, load_package, sha256_of_model
-from .pipeline import PipelineOptions, run_pipeline
+from .package import Package, SourceModel, load_package, read_manifest
+from .pipeline import PipelineOptions, run_pipeline, split_weights
 from .target import resolve_target
 
 
@@ -36,6 +38,7 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
     imported = import_onnx(proto, input_shapes)
     import_seconds = time.perf_counter() - started
     lowered, pass_times = run_pipeline(imported.mod, compile_target, options, dump_ir, on_pass)
+    lowered, weights = split_weights(lowered)
     if on_pass is not None:
         on_pass("build")
     build_started = time.perf_counter()
@@ -49,20 +52,54 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
         "compile_seconds": round(time.perf_counter() - started, 3),
         "passes": pass_times,
         "kernels": sum(isinstance(f, tirx.PrimFunc) for f in lowered.functions.values()),
-        "weights": len(imported.weights),
-        "weight_bytes": int(sum(w.nbytes for w in imported.weights.values())),
+        "weights": len(weights),
+        "weight_bytes": int(sum(w.value.nbytes for w in weights)),
     }
+    serialized = proto.SerializeToString()
+    source = (SourceModel.of_proto(serialized) if isinstance(model, onnx.ModelProto)
+              else SourceModel.of_file(model, serialized))
     return Package(
         executable=executable,
-        weights=imported.weights,
+        weights=weights,
         inputs=imported.inputs,
         outputs=imported.outputs,
         target=compile_target.to_json(),
-        source_sha256=sha256_of_model(proto.SerializeToString()),
+        source=source,
+        compile_options={"input_shapes": input_shapes, "options": asdict(options)},
         report=report,
     )
 
 
-def load(path: str | Path) -> Package:
-    """Open a package saved with `Package.save` (or `tightfit compile -o`)."""
-    return load_package(path)
+def load(path: str | Path, source: str | Path | None = None, verify: bool = False) -> Package:
+    """Open a package saved with `Package.save` (or `tightfit compile -o`).
+
+    A stale package (another tightfit or TVM version, or a source model changed since) or a
+    corrupt one is rebuilt from its source — `source`, or the path recorded at compile time if
+    that file still exists — and saved in its place; with no source at hand it is refused with a
+    PackageError. `verify` checks every weight blob against its hash.
+    """
+    try:
+        return load_package(path, verify=verify, source=source)
+    except (StalePackageError, CorruptPackageError) as problem:
+        source_path = _rebuild_source(path, source)
+        if source_path is None:
+            raise PackageError(f"{problem}; no source model at hand to rebuild it: run "
+                               f"`tightfit compile MODEL.onnx -o {path}`") from problem
+        warnings.warn(f"rebuilding {path} from {source_path}: {problem}", stacklevel=2)
+        manifest = read_manifest(path) if isinstance(problem, StalePackageError) else {}
+        options = manifest.get("compile_options", {})
+        target = manifest.get("target", {}).get("name", "host")
+        rebuilt = compile(source_path, target, input_shapes=options.get("input_shapes"),
+                          options=PipelineOptions(**options.get("options", {})))
+        rebuilt.save(path)
+        return load_package(path, verify=verify, source=source_path)
+
+
+def _rebuild_source(path: str | Path, source: str | Path | None) -> Path | None:
+    if source is not None:
+        return Path(source) if Path(source).is_file() else None
+    try:
+        recorded = read_manifest(path)["source"]["path"]
+    except (PackageError, KeyError):
+        return None
+    return Path(recorded) if recorded and Path(recorded).is_file() else None

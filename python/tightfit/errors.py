@@ -73,3 +73,12 @@ class TargetError(TightfitError):
     """The target string or device description cannot be used."""
 
     exit_code = 7
+
+
+class StalePackageError(PackageError):
+    """The package was built by another tightfit/TVM version, for another target, or from a
+    source model that has changed since."""
+
+
+class CorruptPackageError(PackageError):
+    """A package file is truncated, unreadable, or fails its hash."""

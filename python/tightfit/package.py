@@ -1,54 +1,82 @@
 """The compiled package (`.tfpkg`): a directory holding everything needed to run a model.
 
-Layout (format version 1):
-- `manifest.json`: format version, tightfit and TVM versions, target, inputs and outputs as
-  declared by the ONNX graph, the weight index (name, dtype, shape, offset, size), the SHA-256 of
-  the source model;
+Layout (format version 2):
+- `manifest.json`: format version, tightfit and TVM versions, target, the compile options
+  (to rebuild), inputs and outputs as the ONNX graph declares them, and the source model (path,
+  size, modification time, SHA-256) so that a changed source is noticed;
 - `model.so`: the compiled library (Relax VM executable plus kernels) for the target;
-- `weights.bin`: the weights, each blob starting on a page boundary, in the order `main` takes
-  them after the model inputs;
-- `report.json`: what the compiler did (time per pass, kernel count).
+- `weights.tfw`: the pre-transformed weights (`tightfit.weight_file`), mapped at load;
+- `report.json`: what the compiler did (time per pass, kernel count, weight file statistics).
 
-A package is written to a temporary directory beside its destination and renamed into place, so a
-failure or a concurrent writer never leaves a half-written package under the final name.
+A package is written to a temporary directory beside its destination and swapped into place
+atomically, under a lock that serializes concurrent writers, so readers see the old package or
+the new one, never a mix or a half-written one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import tvm
 from tvm import relax
 
-from .errors import PackageError
+from .errors import CorruptPackageError, PackageError, StalePackageError
 from .frontend import TensorSpec
+from .weight_file import WeightFile, WeightTensor, write_weight_file
 
-FORMAT_VERSION = 1
-PAGE_SIZE = mmap.PAGESIZE
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LIBRARY = "model.so"
-WEIGHTS = "weights.bin"
+WEIGHTS = "weights.tfw"
 REPORT = "report.json"
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """Where a package came from, to rebuild it and to notice when the source has changed."""
+
+    path: str | None
+    sha256: str
+    size: int | None = None
+    mtime_ns: int | None = None
+
+    @staticmethod
+    def of_file(path: str | Path, serialized: bytes) -> SourceModel:
+        stat = Path(path).stat()
+        return SourceModel(str(Path(path).resolve()), hashlib.sha256(serialized).hexdigest(),
+                           stat.st_size, stat.st_mtime_ns)
+
+    @staticmethod
+    def of_proto(serialized: bytes) -> SourceModel:
+        return SourceModel(None, hashlib.sha256(serialized).hexdigest())
+
+    def has_changed(self, path: str | Path) -> bool:
+        """Whether the file at `path` differs from this source (size and mtime first, then hash)."""
+        stat = Path(path).stat()
+        if stat.st_size == self.size and stat.st_mtime_ns == self.mtime_ns:
+            return False
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() != self.sha256
 
 
 @dataclass
 class Package:
-    """A compiled model: executable, weights and the facts needed to check inputs."""
+    """A compiled model: executable, weights and the facts needed to check inputs and rebuild."""
 
     executable: tvm.runtime.Module | relax.VMExecutable
-    weights: dict[str, np.ndarray]
+    weights: list[WeightTensor]
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     target: dict
-    source_sha256: str
+    source: SourceModel
+    compile_options: dict = field(default_factory=dict)
     report: dict = field(default_factory=dict)
     path: Path | None = None
 
@@ -65,119 +93,123 @@ class Package:
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
         try:
             self._write_contents(staging)
-            _replace_directory(staging, destination)
-        except BaseException:
+            _swap_into_place(staging, destination)
+        finally:
             shutil.rmtree(staging, ignore_errors=True)
-            raise
         self.path = destination
         return destination
 
     def _write_contents(self, directory: Path) -> None:
         self.executable.export_library(str(directory / LIBRARY))
-        weight_index = _write_weights(directory / WEIGHTS, self.weights)
+        stats = write_weight_file(directory / WEIGHTS, self.weights, self.provenance())
+        self.report["weight_file"] = asdict(stats)
         manifest = {
             "format_version": FORMAT_VERSION,
-            "tightfit_version": _tightfit_version(),
-            "tvm_version": tvm.__version__,
-            "target": self.target,
+            **self.provenance(),
+            "compile_options": self.compile_options,
             "inputs": [spec.to_json() for spec in self.inputs],
             "outputs": [spec.to_json() for spec in self.outputs],
-            "weights": weight_index,
-            "source_sha256": self.source_sha256,
+            "source": asdict(self.source),
         }
         (directory / REPORT).write_text(json.dumps(self.report, indent=2))
         # The manifest is written last: a directory without one was never finished.
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _fsync_directory(directory)
 
+    def provenance(self) -> dict:
+        """What produced this package; a package or weight file is stale when any of it differs."""
+        return {"tightfit_version": _tightfit_version(), "tvm_version": tvm.__version__,
+                "target": self.target}
 
-def load_package(path: str | Path) -> Package:
-    """Open a package written by `Package.save`; raise PackageError when it cannot be used."""
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of the package at `path`; PackageError if there is no finished package."""
     directory = Path(path)
     manifest_path = directory / MANIFEST
     if not directory.is_dir():
         raise PackageError(f"no package at {directory}; compile one with `tightfit compile`")
     if not manifest_path.is_file():
-        raise PackageError(f"{directory} has no {MANIFEST}: it is not a finished tightfit package; "
-                           "compile it again")
+        raise CorruptPackageError(f"{directory} has no {MANIFEST}: it is not a finished tightfit "
+                                  "package; compile it again")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        return json.loads(manifest_path.read_text())
     except json.JSONDecodeError as err:
-        raise PackageError(f"{manifest_path} is corrupt ({err}); compile the package again") from err
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise PackageError(f"{directory} has package format {manifest.get('format_version')}, this "
-                           f"tightfit reads format {FORMAT_VERSION}; compile the package again")
-    if manifest.get("tvm_version") != tvm.__version__:
-        raise PackageError(f"{directory} was built with TVM {manifest.get('tvm_version')}, this is "
-                           f"TVM {tvm.__version__}; compile the package again")
-    for required in (LIBRARY, WEIGHTS):
-        if not (directory / required).is_file():
-            raise PackageError(f"{directory} lacks {required}; compile the package again")
-    weights = _read_weights(directory / WEIGHTS, manifest["weights"])
+        raise CorruptPackageError(f"{manifest_path} is corrupt ({err}); compile the package again") from err
+
+
+def load_package(path: str | Path, verify: bool = False, source: str | Path | None = None) -> Package:
+    """Open a package written by `Package.save`.
+
+    Raises StalePackageError when it was built by another tightfit/TVM version or package format,
+    or when `source` (default: the recorded source path, if that file exists) has changed since;
+    CorruptPackageError when a file is missing or truncated, or (with `verify`) a weight blob fails
+    its hash.
+    """
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    expected = {"format_version": FORMAT_VERSION, "tightfit_version": _tightfit_version(),
+                "tvm_version": tvm.__version__}
+    stale = [f"{key} is {manifest.get(key)!r}, this is {value!r}"
+             for key, value in expected.items() if manifest.get(key) != value]
+    if stale:
+        raise StalePackageError(f"{directory} is stale: {'; '.join(stale)}")
+    recorded = SourceModel(**manifest["source"])
+    source_path = source or recorded.path
+    if source_path is not None and Path(source_path).is_file() and recorded.has_changed(source_path):
+        raise StalePackageError(f"{directory} is stale: its source {source_path} has changed")
+    if not (directory / LIBRARY).is_file():
+        raise CorruptPackageError(f"{directory} lacks {LIBRARY}; compile the package again")
+    weight_file = WeightFile(directory / WEIGHTS, verify=verify,
+                             expect={"tightfit_version": manifest["tightfit_version"],
+                                     "tvm_version": manifest["tvm_version"],
+                                     "target": manifest["target"]})
+    keys = _keys_by_tensor(weight_file.header)
     report_path = directory / REPORT
     return Package(
         executable=tvm.runtime.load_module(str(directory / LIBRARY)),
-        weights=weights,
+        weights=[WeightTensor(name, value, keys[name]) for name, value in weight_file.arrays().items()],
         inputs=[TensorSpec.from_json(spec) for spec in manifest["inputs"]],
         outputs=[TensorSpec.from_json(spec) for spec in manifest["outputs"]],
         target=manifest["target"],
-        source_sha256=manifest["source_sha256"],
+        source=recorded,
+        compile_options=manifest["compile_options"],
         report=json.loads(report_path.read_text()) if report_path.is_file() else {},
         path=directory,
     )
 
 
-def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict]:
-    index = []
-    offset = 0
-    with open(path, "wb") as weight_file:
-        for name, array in weights.items():
-            data = np.asarray(array, order="C")  # ascontiguousarray would make 0-d arrays 1-d
-            padding = -offset % PAGE_SIZE
-            weight_file.write(b"\0" * padding)
-            offset += padding
-            weight_file.write(data.tobytes())
-            index.append({"name": name, "dtype": str(data.dtype), "shape": list(data.shape),
-                          "offset": offset, "size": data.nbytes})
-            offset += data.nbytes
-        weight_file.flush()
-        os.fsync(weight_file.fileno())
-    return index
+def _keys_by_tensor(header: dict) -> dict[str, str]:
+    """A blob lists the keys of the tensors stored in it in tensor order; undo that."""
+    keys = {}
+    taken: dict[int, int] = {}
+    for entry in header["tensors"]:
+        position = taken.get(entry["blob"], 0)
+        taken[entry["blob"]] = position + 1
+        keys[entry["name"]] = header["blobs"][entry["blob"]]["keys"][position]
+    return keys
 
 
-def _read_weights(path: Path, index: list[dict]) -> dict[str, np.ndarray]:
-    """Read-only numpy views of the weights in a mapping of the weight file (no copy)."""
-    file_size = path.stat().st_size
-    mapping = None
-    if file_size:
-        with open(path, "rb") as weight_file:
-            mapping = mmap.mmap(weight_file.fileno(), 0, access=mmap.ACCESS_READ)
-    weights = {}
-    for entry in index:
-        end = entry["offset"] + entry["size"]
-        if end > file_size:
-            raise PackageError(f"{path} is truncated: weight {entry['name']} ends at byte {end} "
-                               f"of {file_size}; compile the package again")
-        dtype = np.dtype(entry["dtype"])
-        count = entry["size"] // dtype.itemsize
-        flat = (np.frombuffer(mapping, dtype=dtype, count=count, offset=entry["offset"])
-                if count else np.zeros(0, dtype=dtype))
-        weights[entry["name"]] = flat.reshape(entry["shape"])
-    return weights
+def _swap_into_place(staging: Path, destination: Path) -> None:
+    """Put a finished package at `destination`; an old one there ends up at `staging`."""
+    lock_path = destination.with_name(f".{destination.name}.lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if destination.exists() and not (destination / MANIFEST).is_file() and any(destination.iterdir()):
+            raise PackageError(f"{destination} exists and is not a tightfit package; "
+                               "choose another output path")
+        if destination.exists():
+            _exchange(staging, destination)
+        else:
+            os.rename(staging, destination)
 
 
-def _replace_directory(staging: Path, destination: Path) -> None:
-    """Move a finished package into place; an older package there is removed only afterwards."""
-    if destination.exists() and not (destination / MANIFEST).is_file() and any(destination.iterdir()):
-        raise PackageError(f"{destination} exists and is not a tightfit package; "
-                           "choose another output path")
-    retired = None
-    if destination.exists():
-        retired = destination.with_name(f".{destination.name}.old-{os.getpid()}")
-        os.rename(destination, retired)
-    os.rename(staging, destination)
-    if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
+def _exchange(first: Path, second: Path) -> None:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange):
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot swap {first} and {second}: {os.strerror(error)}")
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -189,10 +221,6 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-def sha256_of_model(serialized: bytes) -> str:
-    return hashlib.sha256(serialized).hexdigest()
 
 
 def _tightfit_version() -> str:

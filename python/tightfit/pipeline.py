@@ -17,7 +17,9 @@ import tvm
 from tvm import relax
 
 from .errors import CompilationError
+from .passes import PreTransformWeights
 from .schedules import FallbackCPUSchedule
+from .weight_file import WeightTensor
 from .target import CompileTarget
 
 
@@ -35,15 +37,17 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         tvm.transform.Sequential([relax.transform.ConvertToDataflow()], name="ConvertToDataflow"),
         relax.transform.DecomposeOpsForInference(),
         relax.transform.FoldConstant(),
-        # 2. lower to TIR and fuse
+        # 2. weights: transforms computed once, offline (FlexNN pre-transformation)
+        PreTransformWeights(),
+        # 3. lower to TIR and fuse
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        # 3. schedule kernels
+        # 4. schedule kernels
         *([FallbackCPUSchedule()] if options.fallback_schedule else []),
-        # 4. lower dataflow to VM code; plan memory
+        # 5. lower dataflow to VM code; plan memory
         relax.transform.RewriteDataflowReshape(),
         relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(),
@@ -106,3 +110,23 @@ def _file_stem(name: str) -> str:
 
 def _write_ir(path: Path, mod: tvm.IRModule) -> None:
     path.write_text(mod.script(show_meta=False))
+
+
+def split_weights(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[WeightTensor]]:
+    """Take the weights out of a lowered module: `main` keeps the code, the list the values.
+
+    The values come from `main`'s `params` attribute in parameter order after the `num_input`
+    model inputs, with the content keys PreTransformWeights recorded.
+    """
+    main = mod["main"]
+    attrs = main.attrs or {}
+    if "params" not in attrs:
+        return mod, []
+    num_input = int(attrs["num_input"])
+    names = [param.name for param in main.params[num_input:]]
+    keys = list(attrs.get("tightfit.weight_keys", [""] * len(names)))
+    tensors = [WeightTensor(name, value.numpy(), str(key))
+               for name, value, key in zip(names, attrs["params"], keys)]
+    stripped = mod.clone()
+    stripped["main"] = main.without_attr("params").without_attr("tightfit.weight_keys")
+    return stripped, tensors

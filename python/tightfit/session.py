@@ -22,8 +22,7 @@ class Session:
         self.package = package
         self.device = device or tvm.cpu()
         self._vm = relax.VirtualMachine(package.executable, self.device)
-        self._weights = [tvm.runtime.tensor(np.asarray(value), self.device)
-                         for value in package.weights.values()]
+        self._weights = [device_tensor(weight.value, self.device) for weight in package.weights]
 
     @property
     def input_names(self) -> list[str]:
@@ -55,6 +54,17 @@ class Session:
         timer = self._vm.time_evaluator("invoke_stateful", self.device, number=number,
                                         repeat=repeat, min_repeat_ms=min_repeat_ms)
         return list(timer("main").results)
+
+
+def device_tensor(array: np.ndarray, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
+    """A TVM tensor for `array`: a view of the same memory when TVM can take it (host device,
+    64-byte aligned, writable, contiguous — mapped weights are), a copy otherwise."""
+    shareable = (device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+                 and array.flags.c_contiguous and array.flags.writeable
+                 and array.ctypes.data % 64 == 0 and array.size > 0)
+    if shareable:
+        return tvm.runtime.from_dlpack(array)
+    return tvm.runtime.tensor(np.asarray(array, order="C"), device)
 
 
 def check_feeds(specs: list[TensorSpec], feeds: dict[str, np.ndarray]) -> None:

@@ -154,18 +154,21 @@ def _bind_small_weights(mod: tvm.IRModule, weights: dict[str, np.ndarray]):
     """Make initializers of at most MAX_BOUND_WEIGHT_ELEMENTS elements constants of the IR.
 
     Small initializers are shapes, axes, scales and clip bounds: as constants they fold, and ops
-    that need their values (Reshape, Clip, Pad) see them. Large ones stay parameters of `main`,
-    stored in the package's weight file. The importer's `params` attribute, a second copy of
-    every weight inside the IR, is dropped.
+    that need their values (Reshape, Clip, Pad) see them. Large ones stay parameters of `main`;
+    their values stay in its `params` attribute, in parameter order, for the weight passes.
     """
     small = {name: value for name, value in weights.items()
              if value.size <= MAX_BOUND_WEIGHT_ELEMENTS}
-    mod = mod.clone()
-    mod["main"] = mod["main"].without_attr("params")
     if small:
         mod = relax.transform.BindParams("main", {name: tvm.runtime.tensor(value)
                                                   for name, value in small.items()})(mod)
-    return mod, {name: value for name, value in weights.items() if name not in small}
+    large = {name: value for name, value in weights.items() if name not in small}
+    main = mod["main"].without_attr("params")
+    if large:
+        main = main.with_attr("params", [tvm.runtime.tensor(value) for value in large.values()])
+    mod = mod.clone()
+    mod["main"] = main
+    return mod, large
 
 
 class _TightfitGraphImporter(onnx_frontend.ONNXGraphImporter):
