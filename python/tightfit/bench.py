@@ -33,8 +33,7 @@ import numpy as np
 import onnx
 
 from .feeds import max_abs_error, random_feeds
-from .frontend import load_onnx
-from .frontend import declared_inputs
+from .frontend import TensorSpec, declared_inputs, load_onnx
 
 ENGINES = ("tightfit", "onnxruntime", "tvm-default")
 ROUNDS = 4
@@ -177,7 +176,7 @@ def _vm_runner(executable, output_names: list[str], input_names: list[str]) -> C
     return run
 
 
-# --- peak memory, each engine in a fresh process ----------------------------------------------
+# --- measurements in fresh processes ------------------------------------------------------------
 
 def _measure_peak_rss(proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]],
                       result: ModelBenchmark) -> dict[str, float]:
@@ -194,46 +193,70 @@ def _measure_peak_rss(proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]
             library = Path(scratch) / "tvm_default.so"
             tvm_default_build(proto).export_library(str(library))
             artifacts["tvm-default"] = str(library)
-        baseline = _run_memory_worker({"engine": "none"})
+        baseline = run_worker({"job": "import-only"})["peak_rss_kib"]
         for engine, artifact in artifacts.items():
-            job = {"engine": engine, "artifact": artifact, "model": str(model_path),
-                   "shapes": {k: list(v) for k, v in shapes.items()}}
+            job = {"job": f"run-{engine}", "artifact": artifact, "model": str(model_path),
+                   **run_job_io(proto, shapes)}
             try:
-                peaks[engine] = round((_run_memory_worker(job) - baseline) / 1024, 1)
+                peaks[engine] = round((run_worker(job)["peak_rss_kib"] - baseline) / 1024, 1)
             except RuntimeError as err:
                 result.failures.setdefault(engine, f"memory: {err}")
     return peaks
 
 
-def _run_memory_worker(job: dict) -> int:
-    """Peak RSS in KiB of a fresh interpreter doing `job` (see `_memory_worker`)."""
+def run_job_io(proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The part of a `run-*` job that describes the model's inputs, outputs and shapes."""
+    return {"inputs": [spec.to_json() for spec in declared_inputs(proto.graph)],
+            "outputs": [output.name for output in proto.graph.output],
+            "shapes": {k: list(v) for k, v in shapes.items()}}
+
+
+def run_worker(job: dict) -> dict:
+    """Run `job` (see `_worker`) in a fresh interpreter; its seconds and peak RSS in KiB."""
     completed = subprocess.run([sys.executable, "-m", "tightfit.bench", json.dumps(job)],
-                               capture_output=True, text=True, timeout=600)
+                               capture_output=True, text=True, timeout=1800)
     if completed.returncode != 0:
         raise RuntimeError(_last_line(completed.stderr) or f"exit code {completed.returncode}")
-    return int(completed.stdout.strip().splitlines()[-1])
+    return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def _memory_worker(job: dict) -> None:
-    import onnxruntime  # noqa: F401 - every worker imports the same libraries as the baseline
+def _worker(job: dict) -> None:
+    """One measured job. Every job imports the same libraries first, so that subtracting the
+    `import-only` job's peak leaves what the job itself cost; `seconds` times the job alone."""
+    import onnxruntime  # noqa: F401
     import tvm
 
+    from . import compile as tightfit_compile
     from . import load
     from .feeds import random_feeds
 
-    if job["engine"] != "none":
-        proto = onnx.load(job["model"], load_external_data=False)
-        specs = declared_inputs(proto.graph)
+    kind = job["job"]
+    started = time.perf_counter()
+    if kind.startswith("run-"):
+        # Input and output names come with the job: reading them from the ONNX file would load
+        # its weights into this process and count them against the engine being measured.
+        specs = [TensorSpec.from_json(spec) for spec in job["inputs"]]
         feeds = random_feeds(specs, {k: tuple(v) for k, v in job["shapes"].items()})
-        if job["engine"] == "tightfit":
+        if kind == "run-tightfit":
             load(job["artifact"]).session().run(feeds)
-        elif job["engine"] == "onnxruntime":
-            _onnxruntime_runner(proto)(feeds)
+        elif kind == "run-onnxruntime":
+            _onnxruntime_runner(onnx.load(job["model"]))(feeds)
         else:
-            executable = tvm.runtime.load_module(job["artifact"])
-            _vm_runner(executable, [o.name for o in proto.graph.output],
-                       [s.name for s in specs])(feeds)
-    print(peak_rss_kib())
+            _vm_runner(tvm.runtime.load_module(job["artifact"]), job["outputs"],
+                       [spec.name for spec in specs])(feeds)
+    elif kind == "build-tightfit":  # compile from ONNX, write the package, open a session
+        tightfit_compile(job["model"]).save(job["artifact"])
+        load(job["artifact"]).session()
+    elif kind == "load-tightfit":  # open a built package and a session
+        load(job["artifact"]).session()
+    elif kind == "build-tvm-default":  # TVM's way: weights bound as constants into the library
+        tvm_default_build(onnx.load(job["model"])).export_library(job["artifact"])
+        tvm.relax.VirtualMachine(tvm.runtime.load_module(job["artifact"]), tvm.cpu())
+    elif kind == "load-tvm-default":
+        tvm.relax.VirtualMachine(tvm.runtime.load_module(job["artifact"]), tvm.cpu())
+    elif kind != "import-only":
+        raise ValueError(f"unknown job {kind}")
+    print(json.dumps({"seconds": time.perf_counter() - started, "peak_rss_kib": peak_rss_kib()}))
 
 
 def peak_rss_kib() -> int:
@@ -306,4 +329,4 @@ def _last_line(text: str) -> str:
 
 
 if __name__ == "__main__":
-    _memory_worker(json.loads(sys.argv[1]))
+    _worker(json.loads(sys.argv[1]))

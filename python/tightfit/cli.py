@@ -61,12 +61,15 @@ def _build_parser() -> argparse.ArgumentParser:
     run_cmd.set_defaults(handler=_run)
 
     bench_cmd = commands.add_parser("bench", parents=[common], help="time tightfit against onnxruntime and TVM's default build")
-    bench_cmd.add_argument("model", nargs="?", help="the ONNX file (or use --zoo)")
+    bench_cmd.add_argument("model", nargs="?", help="an ONNX file or a built-in example name "
+                           "(convnet_dynamic, vgg_style), or use --zoo")
     bench_cmd.add_argument("--shapes", action="append", metavar="SPEC", default=[],
                            help="one input shape set, e.g. 'x=1,3,64,64' or 'ids=2,16;mask=2,16'; repeat for more")
     bench_cmd.add_argument("--zoo", nargs="*", metavar="NAME", help="benchmark the built-in zoo models (all, or NAMEs)")
     bench_cmd.add_argument("--repeat", type=int, default=20, help="timed runs per engine and shape (default 20)")
     bench_cmd.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocess measurements")
+    bench_cmd.add_argument("--loading", action="store_true",
+                           help="measure time to a ready session and peak RSS at load instead of latency")
     bench_cmd.add_argument("--out", metavar="DIR", default="bench/results", help="where bench.json and bench.md go")
     bench_cmd.set_defaults(handler=_bench)
 
@@ -153,7 +156,6 @@ def _run(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import benchmark_model, markdown_table, write_reports
     from .errors import InputError
     from .feeds import parse_shape_option
 
@@ -161,18 +163,21 @@ def _bench(args) -> int:
     if args.zoo is not None:
         from .testing import zoo
 
-        names = args.zoo or zoo.names()
-        for name in names:
+        for name in args.zoo or zoo.names():
             entry = zoo.get(name)
             jobs.append((name, entry.build(), entry.shape_sets, entry.feeds))
     elif args.model:
-        if not args.shapes:
-            raise InputError("give at least one --shapes SPEC, e.g. --shapes x=1,3,64,64")
         shape_sets = [dict((n, tuple(d)) for n, d in map(parse_shape_option, spec.split(";")))
                       for spec in args.shapes]
-        jobs.append((Path(args.model).stem, args.model, shape_sets, None))
+        if not shape_sets and not args.loading:
+            raise InputError("give at least one --shapes SPEC, e.g. --shapes x=1,3,64,64")
+        jobs.append((Path(args.model).stem, _bench_model(args.model), shape_sets, None))
     else:
         raise InputError("name a model or use --zoo")
+    if args.loading:
+        return _bench_loading(args, jobs)
+    from .bench import benchmark_model, markdown_table, write_reports
+
     results = []
     for name, model, shape_sets, feeds_for in jobs:
         print(f"bench {name} ...", file=sys.stderr, flush=True)
@@ -181,6 +186,26 @@ def _bench(args) -> int:
     json_path, markdown_path = write_reports(results, args.out)
     _emit(args, json.loads(json_path.read_text()),
           markdown_table(results) + f"\n\nwrote {json_path} and {markdown_path}")
+    return 0
+
+
+def _bench_model(name: str):
+    """A path to an ONNX file, or the name of a built-in example model (built from code)."""
+    from .examples.make_examples import BUILTIN
+
+    return BUILTIN[name]() if name in BUILTIN and not Path(name).exists() else name
+
+
+def _bench_loading(args, jobs) -> int:
+    from .bench_loading import benchmark_loading, loading_table, write_loading_reports
+
+    results = []
+    for name, model, shape_sets, _ in jobs:
+        print(f"bench loading {name} ...", file=sys.stderr, flush=True)
+        results.append(benchmark_loading(model, name, shape_sets[0] if shape_sets else None))
+    path = write_loading_reports(results, args.out)
+    _emit(args, json.loads((path.parent / "loading.json").read_text()),
+          loading_table(results) + f"\n\nwrote {path}")
     return 0
 
 

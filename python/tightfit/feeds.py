@@ -21,11 +21,12 @@ def parse_shape_option(text: str) -> tuple[str, list[int | str]]:
     return name, [int(dim) if dim.lstrip("-").isdigit() else dim for dim in dims.split(",")]
 
 
-def concrete_shapes(specs: list[TensorSpec], given: dict[str, list[int | str]]) -> dict[str, tuple[int, ...]]:
+def concrete_shapes(specs: list[TensorSpec], given: dict[str, list[int | str]],
+                    default_dim: int | None = None) -> dict[str, tuple[int, ...]]:
     """A concrete shape for every input: declared static dims, `given` ones, symbols shared.
 
     A symbol bound by one input's given shape applies to every input that uses it; a dim that
-    stays unknown is an InputError listing what to pass.
+    stays unknown takes `default_dim`, or is an InputError listing what to pass.
     """
     symbol_values: dict[str, int] = {}
     for spec in specs:
@@ -42,7 +43,7 @@ def concrete_shapes(specs: list[TensorSpec], given: dict[str, list[int | str]]) 
             continue
         resolved = []
         for dim in dims:
-            value = dim if isinstance(dim, int) else symbol_values.get(dim)
+            value = dim if isinstance(dim, int) else symbol_values.get(dim, default_dim)
             if value is None:
                 unresolved.append(f"{spec.name} dim {dim}")
             resolved.append(value)

@@ -1,8 +1,13 @@
-"""Rebuild the bundled example models: `python -m tightfit.examples.make_examples`.
+"""Example models built from code; `python -m tightfit.examples.make_examples` rewrites the
+bundled `convnet_dynamic.onnx`.
 
-`convnet_dynamic.onnx` is a small MobileNetV2-style network (a stem conv, two inverted-residual
-blocks with depthwise convolutions and ReLU6, global pooling and a classifier) whose batch, height
-and width are dynamic. Weights are random with a fixed seed, so the file is reproducible.
+- `convnet_dynamic`: a small MobileNetV2-style network (a stem conv, two inverted-residual blocks
+  with depthwise convolutions and ReLU6, global pooling and a classifier) whose batch, height and
+  width are dynamic. Bundled, 27 kB.
+- `vgg_style`: VGG's shape in small — a few 3x3 conv/ReLU/max-pool stages on a 32x32 image, then
+  the large fully connected layers that hold most of VGG's weights (about 113 MB at the default
+  width, 4096). Not bundled; built on demand for weight-loading benchmarks.
+Weights are random with a fixed seed, so the models are reproducible.
 """
 
 from pathlib import Path
@@ -65,6 +70,46 @@ def convnet_dynamic(seed: int = 0) -> onnx.ModelProto:
                               producer_name="tightfit.examples")
     onnx.checker.check_model(model)
     return model
+
+
+def vgg_style(fc_width: int = 4096, seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    initializers, nodes = [], []
+    source, channels, size = "image", 3, 32
+    for stage, width in enumerate([32, 64, 128]):
+        weight = (rng.standard_normal((width, channels, 3, 3)) * np.sqrt(2 / (9 * channels))).astype(np.float32)
+        initializers += [numpy_helper.from_array(weight, f"conv{stage}.weight"),
+                         numpy_helper.from_array(np.zeros(width, np.float32), f"conv{stage}.bias")]
+        nodes += [
+            helper.make_node("Conv", [source, f"conv{stage}.weight", f"conv{stage}.bias"], [f"c{stage}"],
+                             kernel_shape=[3, 3], pads=[1, 1, 1, 1], name=f"conv{stage}"),
+            helper.make_node("Relu", [f"c{stage}"], [f"r{stage}"], name=f"relu{stage}"),
+            helper.make_node("MaxPool", [f"r{stage}"], [f"p{stage}"], kernel_shape=[2, 2],
+                             strides=[2, 2], name=f"pool{stage}"),
+        ]
+        source, channels, size = f"p{stage}", width, size // 2
+    nodes.append(helper.make_node("Flatten", [source], ["flat"], axis=1, name="flatten"))
+    features = channels * size * size
+    for index, (fan_in, fan_out) in enumerate([(features, fc_width), (fc_width, fc_width), (fc_width, 1000)]):
+        weight = (rng.standard_normal((fan_out, fan_in)) * np.sqrt(2 / fan_in)).astype(np.float32)
+        initializers += [numpy_helper.from_array(weight, f"fc{index}.weight"),
+                         numpy_helper.from_array(np.zeros(fan_out, np.float32), f"fc{index}.bias")]
+        source_name = "flat" if index == 0 else f"a{index - 1}"
+        nodes.append(helper.make_node("Gemm", [source_name, f"fc{index}.weight", f"fc{index}.bias"],
+                                      [f"f{index}"], transB=1, name=f"fc{index}"))
+        if index < 2:
+            nodes.append(helper.make_node("Relu", [f"f{index}"], [f"a{index}"], name=f"fc{index}.relu"))
+    graph = helper.make_graph(
+        nodes, "vgg_style",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+        [helper.make_tensor_value_info("f2", TensorProto.FLOAT, ["batch", 1000])],
+        initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                             producer_name="tightfit.examples")
+
+
+BUILTIN = {"convnet_dynamic": convnet_dynamic, "vgg_style": vgg_style}
 
 
 if __name__ == "__main__":
