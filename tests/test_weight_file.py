@@ -205,3 +205,25 @@ def test_concurrent_builds_leave_one_complete_package(tmp_path):
         warnings.simplefilter("error")  # a rebuild would mean the package was not complete
         package = tightfit.load(destination, verify=True)
     assert package.session().run({"x": np.ones((1, 128), np.float32)})["y"].shape == (1, 96)
+
+
+def test_duplicated_weights_of_a_model_are_stored_once(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    # Exporters often write a weight shared by two layers as two identical initializers.
+    shared = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32) / 8
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "layer0.weight"], ["h"]),
+         helper.make_node("Relu", ["h"], ["a"]),
+         helper.make_node("MatMul", ["a", "layer1.weight"], ["y"])], "shared",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 128])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 128])],
+        [numpy_helper.from_array(shared, "layer0.weight"), numpy_helper.from_array(shared.copy(), "layer1.weight")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    package = tightfit.compile(model)
+    package.save(tmp_path / "shared.tfpkg")
+    assert package.report["weight_file"]["dedup_saved_bytes"] == shared.nbytes
+    assert package.report["weight_file"]["blobs"] == 1
+    x = np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32)
+    out = tightfit.load(tmp_path / "shared.tfpkg").session().run({"x": x})["y"]
+    np.testing.assert_allclose(out, np.maximum(x @ shared, 0) @ shared, rtol=1e-4, atol=1e-4)

@@ -110,11 +110,13 @@ def _compile(args) -> int:
         package = tightfit_compile(args.model, target, input_shapes=_shape_options(args),
                                    dump_ir=args.dump_ir, on_pass=advance)
     package.save(output)
+    weight_file = package.report["weight_file"]
     summary = {"package": str(output), "compile_seconds": package.report["compile_seconds"],
-               "kernels": package.report["kernels"], "weight_bytes": package.report["weight_bytes"]}
+               "kernels": package.report["kernels"], "weight_file": weight_file}
     _emit(args, summary, f"wrote {output} ({summary['kernels']} kernels, "
-                         f"{summary['weight_bytes'] / 1e6:.2f} MB of weights, "
-                         f"{summary['compile_seconds']:.1f} s)")
+                         f"{weight_file['payload_bytes'] / 1e6:.2f} MB of weights in "
+                         f"{weight_file['blobs']} blobs, {weight_file['dedup_saved_bytes'] / 1e6:.2f} MB "
+                         f"saved by dedup, {summary['compile_seconds']:.1f} s)")
     return 0
 
 
