@@ -1,0 +1,1 @@
+"""Models and helpers for tests and benchmarks, built from code (nothing is downloaded)."""
