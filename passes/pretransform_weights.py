@@ -32,10 +32,10 @@ class PreTransformWeights:
         main = mod["main"]
         if main.attrs is None or "params" not in main.attrs:
             return mod
-        source_values = [value.numpy() for value in main.attrs["params"]]
+        source_values = list(main.attrs["params"])
         num_input = int(main.attrs["num_input"])
         source_names = [param.name for param in main.params[num_input:]]
-        digests = {name: hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+        digests = {name: hashlib.sha256(np.from_dlpack(value)).hexdigest()
                    for name, value in zip(source_names, source_values)}
         lifted = relax.transform.LiftTransformParams()(mod)
         transform = lifted[TRANSFORM_FUNCTION]
@@ -46,7 +46,7 @@ class PreTransformWeights:
             value = outputs[index]
             layout = f"{value.dtype}{list(value.shape)} row-major"
             keys.append(content_key([f"{name}:{digests[name]}" for name in sources], recipe, layout, target))
-        new_main = (lifted["main"].with_attr("params", [tvm.runtime.tensor(v) for v in outputs])
+        new_main = (lifted["main"].with_attr("params", outputs)
                     .with_attr("tightfit.weight_keys", keys))
         result = lifted.clone()
         result["main"] = new_main
@@ -54,7 +54,7 @@ class PreTransformWeights:
         return relax.transform.DeadCodeElimination(["main"])(result)
 
 
-def _run_on_host(lifted: tvm.IRModule, weights: list[np.ndarray]) -> list[np.ndarray]:
+def _run_on_host(lifted: tvm.IRModule, weights: list[tvm.runtime.Tensor]) -> list[tvm.runtime.Tensor]:
     """Compile `main_transform_params` alone for this machine and apply it to `weights`."""
     transform_only = lifted.clone()
     del transform_only[transform_only.get_global_var("main")]
@@ -63,8 +63,7 @@ def _run_on_host(lifted: tvm.IRModule, weights: list[np.ndarray]) -> list[np.nda
     with host:
         executable = tvm.compile(transform_only, host)
     vm = relax.VirtualMachine(executable, tvm.cpu())
-    results = vm[TRANSFORM_FUNCTION]([tvm.runtime.tensor(w) for w in weights])
-    return [result.numpy() for result in results]
+    return list(vm[TRANSFORM_FUNCTION](weights))
 
 
 def _output_recipes(transform: relax.Function, source_names: list[str]) -> list[tuple[list[str], str]]:

@@ -12,7 +12,7 @@ import onnx
 from tvm import relax, tirx
 
 from .errors import CompilationError, CorruptPackageError, PackageError, StalePackageError
-from .frontend import import_onnx, load_onnx
+from .frontend import import_onnx
 from .package import Package, SourceModel, load_package, read_manifest
 from .pipeline import PipelineOptions, run_pipeline, split_weights
 from .target import resolve_target
@@ -33,9 +33,9 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
     directory, numbered in pipeline order; `on_pass` is called with each pass name as it starts.
     """
     compile_target = resolve_target(target)
-    proto = load_onnx(model)
     started = time.perf_counter()
-    imported = import_onnx(proto, input_shapes)
+    imported = import_onnx(model, input_shapes)
+    proto = imported.onnx_model
     import_seconds = time.perf_counter() - started
     lowered, pass_times = run_pipeline(imported.mod, compile_target, options, dump_ir, on_pass)
     lowered, weights = split_weights(lowered)
@@ -55,9 +55,8 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
         "weights": len(weights),
         "weight_bytes": int(sum(w.value.nbytes for w in weights)),
     }
-    serialized = proto.SerializeToString()
-    source = (SourceModel.of_proto(serialized) if isinstance(model, onnx.ModelProto)
-              else SourceModel.of_file(model, serialized))
+    source = (SourceModel.of_proto(proto) if isinstance(model, onnx.ModelProto)
+              else SourceModel.of_file(model))
     return Package(
         executable=executable,
         weights=weights,

@@ -49,21 +49,28 @@ class SourceModel:
     mtime_ns: int | None = None
 
     @staticmethod
-    def of_file(path: str | Path, serialized: bytes) -> SourceModel:
+    def of_file(path: str | Path) -> SourceModel:
         stat = Path(path).stat()
-        return SourceModel(str(Path(path).resolve()), hashlib.sha256(serialized).hexdigest(),
-                           stat.st_size, stat.st_mtime_ns)
+        return SourceModel(str(Path(path).resolve()), _file_sha256(path), stat.st_size, stat.st_mtime_ns)
 
     @staticmethod
-    def of_proto(serialized: bytes) -> SourceModel:
-        return SourceModel(None, hashlib.sha256(serialized).hexdigest())
+    def of_proto(proto) -> SourceModel:
+        return SourceModel(None, hashlib.sha256(proto.SerializeToString()).hexdigest())
 
     def has_changed(self, path: str | Path) -> bool:
         """Whether the file at `path` differs from this source (size and mtime first, then hash)."""
         stat = Path(path).stat()
         if stat.st_size == self.size and stat.st_mtime_ns == self.mtime_ns:
             return False
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest() != self.sha256
+        return _file_sha256(path) != self.sha256
+
+
+def _file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for chunk in iter(lambda: source.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @dataclass

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -125,7 +126,7 @@ def split_weights(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[WeightTensor]]:
     num_input = int(attrs["num_input"])
     names = [param.name for param in main.params[num_input:]]
     keys = list(attrs.get("tightfit.weight_keys", [""] * len(names)))
-    tensors = [WeightTensor(name, value.numpy(), str(key))
+    tensors = [WeightTensor(name, np.from_dlpack(value), str(key))
                for name, value, key in zip(names, attrs["params"], keys)]
     stripped = mod.clone()
     stripped["main"] = main.without_attr("params").without_attr("tightfit.weight_keys")

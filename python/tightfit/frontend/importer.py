@@ -92,7 +92,8 @@ def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
     if not proto.graph.node:
         raise ModelLoadError(f"{where} has an empty graph; is it really an ONNX model?")
     try:
-        onnx.checker.check_model(proto)
+        # Given a path, the checker reads the file itself instead of serializing the model again.
+        onnx.checker.check_model(proto if isinstance(model, onnx.ModelProto) else str(model))
     except onnx.checker.ValidationError as err:
         first_line = str(err).strip().splitlines()[0]
         raise ModelLoadError(
@@ -144,7 +145,8 @@ def import_onnx(model: str | Path | onnx.ModelProto,
         sanitize=True,
     )
     mod = importer.from_onnx(proto.graph, _default_opset(proto))
-    weights = {name: value.numpy() for name, (_, value) in importer._params.items()}
+    # Views of the importer's TVM tensors: the weights are not copied again.
+    weights = {name: np.from_dlpack(value) for name, (_, value) in importer._params.items()}
     mod, weights = _bind_small_weights(mod, weights)
     outputs = [_tensor_spec(value_info) for value_info in proto.graph.output]
     return ImportedModel(mod, weights, inputs, outputs, proto)
@@ -160,12 +162,12 @@ def _bind_small_weights(mod: tvm.IRModule, weights: dict[str, np.ndarray]):
     small = {name: value for name, value in weights.items()
              if value.size <= MAX_BOUND_WEIGHT_ELEMENTS}
     if small:
-        mod = relax.transform.BindParams("main", {name: tvm.runtime.tensor(value)
+        mod = relax.transform.BindParams("main", {name: tvm.runtime.from_dlpack(value)
                                                   for name, value in small.items()})(mod)
     large = {name: value for name, value in weights.items() if name not in small}
     main = mod["main"].without_attr("params")
     if large:
-        main = main.with_attr("params", [tvm.runtime.tensor(value) for value in large.values()])
+        main = main.with_attr("params", [tvm.runtime.from_dlpack(value) for value in large.values()])
     mod = mod.clone()
     mod["main"] = main
     return mod, large
