@@ -29,7 +29,8 @@ class FallbackCPUSchedule:
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         mod = mod.clone()
         for global_var, func in list(mod.functions.items()):
-            if isinstance(func, tirx.PrimFunc) and not _is_scheduled(func):
+            # Library kernels (sort, scan) are one opaque block, not a root with loop nests.
+            if isinstance(func, tirx.PrimFunc) and not _is_scheduled(func) and _has_root_block(func):
                 mod[global_var] = schedule_prim_func(func)
         return mod
 
@@ -109,6 +110,10 @@ def _leading_spatial_loop_count(schedule: s_tir.Schedule, block, loops) -> int:
 
 
 _get_sblock_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+
+
+def _has_root_block(func: tirx.PrimFunc) -> bool:
+    return isinstance(func.body, s_tir.SBlockRealize) and func.body.block.name_hint == "root"
 
 
 def _is_scheduled(func: tirx.PrimFunc) -> bool:

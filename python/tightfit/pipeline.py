@@ -40,7 +40,9 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.FoldConstant(),
         # 2. weights: transforms computed once, offline (FlexNN pre-transformation)
         PreTransformWeights(),
-        # 3. lower to TIR and fuse
+        # 3. lower to TIR and fuse (sorts, scans and sampling to their library kernels first)
+        relax.backend.DispatchSampling(),
+        relax.backend.DispatchSortScan(),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

@@ -9,7 +9,9 @@ TVM 0.27 does wrong and which models need the fix.
 
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
-CONVERTER_MODULES = []
+from . import ops_shape
+
+CONVERTER_MODULES = [ops_shape]
 
 CONVERTERS: dict[str, type[OnnxOpConverter]] = {}
 for _module in CONVERTER_MODULES:

@@ -144,6 +144,7 @@ def import_onnx(model: str | Path | onnx.ModelProto,
         keep_params_in_input=True,
         sanitize=True,
     )
+    importer.expected_dtypes = inferred_dtypes(proto)
     mod = importer.from_onnx(proto.graph, _default_opset(proto))
     # Views of the importer's TVM tensors: the weights are not copied again.
     weights = {name: np.from_dlpack(value) for name, (_, value) in importer._params.items()}
@@ -176,32 +177,85 @@ def _bind_small_weights(mod: tvm.IRModule, weights: dict[str, np.ndarray]):
 class _TightfitGraphImporter(onnx_frontend.ONNXGraphImporter):
     """TVM's graph walk, one node at a time, so that each node can be prepared and blamed."""
 
+    expected_dtypes: dict[str, str] = {}
+
     def _check_for_unsupported_ops(self, graph):
         # import_onnx has checked the whole graph, subgraphs included, with tightfit's errors.
         return
 
     def _construct_nodes(self, graph: onnx.GraphProto):
         for node in graph.node:
-            single_node_graph = onnx.GraphProto()
-            single_node_graph.node.append(self._with_shape_inputs_as_tensors(node))
             try:
-                # TVM prints its own diagnostic before re-raising; tightfit's error says it all.
-                with contextlib.redirect_stdout(io.StringIO()):
-                    super()._construct_nodes(single_node_graph)
+                self._convert_node(node, all_shapes_as_tensors=False)
             except TightfitError:
                 raise
             except Exception as err:  # the importer raises bare exceptions of many kinds
-                reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-                raise ConversionError(node.name, node.op_type, reason) from err
+                if not self._has_shape_inputs(node):
+                    raise ConversionError(node.name, node.op_type, _reason(err)) from err
+                # TVM folds shape arithmetic into ShapeExprs but its converters take them only in
+                # some input positions; the same node on int64 tensors is always well-defined.
+                try:
+                    self._convert_node(node, all_shapes_as_tensors=True)
+                except Exception:
+                    raise ConversionError(node.name, node.op_type, _reason(err)) from err
+            self._conform_output_dtypes(node)
+            self._name_unknown_dims(node)
+
+    def _convert_node(self, node: onnx.NodeProto, all_shapes_as_tensors: bool) -> None:
+        as_tensors = all_shapes_as_tensors or not (node.op_type in _TVM_SHAPE_COMPATIBLE_OPS
+                                                   or node.op_type in CONVERTERS)
+        single_node_graph = onnx.GraphProto()
+        single_node_graph.node.append(self._with_shape_inputs_as_tensors(node) if as_tensors else node)
+        # TVM prints its own diagnostic before re-raising; tightfit's error says it all.
+        with contextlib.redirect_stdout(io.StringIO()):
+            super()._construct_nodes(single_node_graph)
+
+    def _has_shape_inputs(self, node: onnx.NodeProto) -> bool:
+        return any(isinstance(self._nodes.get(name), relax.Expr)
+                   and isinstance(self._nodes[name].ty, relax.ShapeType) for name in node.input)
+
+    def _name_unknown_dims(self, node: onnx.NodeProto) -> None:
+        """Give a tensor whose rank is known but whose dims are not a fresh symbol per dim.
+
+        Relax loses a shape when it cannot prove operands agree (a concat of two maps resized in
+        different ways) or when values decide it; without a shape, later ops cannot be lowered.
+        `match_cast` to fresh symbols keeps them lowerable and is checked when the model runs.
+        """
+        for name in node.output:
+            value = self._nodes.get(name)
+            if not isinstance(value, relax.Expr) or not isinstance(value.ty, relax.TensorType):
+                continue
+            ty = value.ty
+            if ty.shape is not None or ty.ndim < 0:
+                continue
+            symbols = [tvm.tirx.Var(f"{_identifier(name)}_d{axis}", "int64") for axis in range(ty.ndim)]
+            self._nodes[name] = self.bb.match_cast(value, relax.TensorType(symbols, ty.dtype))
+
+    def _conform_output_dtypes(self, node: onnx.NodeProto) -> None:
+        """Give each output the element type ONNX says it has.
+
+        TVM's converters sometimes compute in another type: a float cast of folded shape
+        arithmetic becomes a float64 scalar (PyTorch's attention scale 1/sqrt(d)), indices come out
+        int32. Downstream ops then meet mismatched operands, and outputs differ from the model's.
+        """
+        for name in node.output:
+            expected = self.expected_dtypes.get(name)
+            value = self._nodes.get(name)
+            if expected is None or not isinstance(value, relax.Expr):
+                continue
+            ty = value.ty
+            if isinstance(ty, relax.TensorType) and ty.dtype not in ("", None) and str(ty.dtype) != expected:
+                self._nodes[name] = self.bb.emit(relax.op.astype(value, expected))
+            elif isinstance(ty, tvm.ir.PrimType) and str(ty.dtype) != expected:
+                self._nodes[name] = _cast_prim(value, expected)
 
     def _with_shape_inputs_as_tensors(self, node: onnx.NodeProto) -> onnx.NodeProto:
-        if node.op_type in _TVM_SHAPE_COMPATIBLE_OPS or node.op_type in CONVERTERS:
-            return node
         prepared = onnx.NodeProto()
         prepared.CopyFrom(node)
         for position, name in enumerate(node.input):
             value = self._nodes.get(name)
-            if isinstance(value, relax.Expr) and isinstance(value.ty, relax.ShapeType):
+            if isinstance(value, relax.ShapeExpr) or (isinstance(value, relax.Expr)
+                                                      and isinstance(value.ty, relax.ShapeType)):
                 tensor_name = f"{name}::as_tensor"
                 if tensor_name not in self._nodes:
                     self._nodes[tensor_name] = self.bb.emit(relax.op.shape_to_tensor(value))
@@ -251,6 +305,45 @@ def _relax_shapes(inputs: list[TensorSpec]) -> dict[str, list]:
             for dim in spec.shape
         ]
     return shapes
+
+
+def _cast_prim(value, dtype: str):
+    """A scalar (Relax's prim value: a TIR expression) in another type, folded when constant."""
+    if isinstance(value, tvm.tirx.FloatImm) and dtype.startswith("float"):
+        return tvm.tirx.FloatImm(dtype, value.value)
+    if isinstance(value, tvm.tirx.IntImm) and dtype.startswith(("int", "uint")):
+        return tvm.tirx.IntImm(dtype, value.value)
+    return tvm.tirx.Cast(dtype, value)
+
+
+def _reason(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def inferred_dtypes(proto: onnx.ModelProto) -> dict[str, str]:
+    """Element type of every tensor of the main graph that ONNX shape inference can type.
+
+    Inference runs on a copy without initializer data (types do not depend on it), so a large
+    model's weights are not copied.
+    """
+    graph = proto.graph
+    declared = {value_info.name for value_info in graph.input}
+    weight_inputs = [onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+                     for init in graph.initializer if init.name not in declared]
+    light_graph = onnx.helper.make_graph(graph.node, graph.name, list(graph.input) + weight_inputs,
+                                         graph.output, value_info=graph.value_info)
+    light = onnx.helper.make_model(light_graph, opset_imports=proto.opset_import,
+                                   ir_version=proto.ir_version)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light)
+    except Exception:  # inference is an aid here; the import proceeds without it
+        return {}
+    dtypes = {}
+    for value_info in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]:
+        elem_type = value_info.type.tensor_type.elem_type
+        if value_info.type.HasField("tensor_type") and elem_type:
+            dtypes[value_info.name] = onnx_frontend.get_type(elem_type)
+    return dtypes
 
 
 def _identifier(name: str) -> str:

@@ -1,0 +1,345 @@
+"""The model zoo: small models built from code, covering what real ONNX files contain.
+
+Each entry builds an `onnx.ModelProto` with random weights (fixed seed; nothing is downloaded) and
+names the input shapes it is tested and benchmarked at. Models built with `onnx.helper` cover
+static and dynamic CNNs, an `If` and data-dependent shapes; models built in PyTorch and exported
+with `torch.onnx.export` (the TorchScript exporter, `dynamo=False`, with `dynamic_axes`) carry the
+patterns most users' files have: attention scaling constants, shape arithmetic feeding Reshape,
+Resize to a size taken from another tensor. Torch is imported only when a torch model is built.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..examples.make_examples import convnet_dynamic
+
+OPSET = 17
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    description: str
+    build: Callable[[], onnx.ModelProto]
+    shape_sets: list[dict[str, tuple[int, ...]]]
+    feeds: Callable[[dict[str, tuple[int, ...]]], dict[str, np.ndarray]] | None = None
+    needs_torch: bool = False
+    dynamic: bool = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "dynamic", len(self.shape_sets) > 1)
+
+
+# --- models built with onnx.helper ---------------------------------------------------------------
+
+class _GraphBuilder:
+    """Appends nodes and random initializers; names are unique by construction."""
+
+    def __init__(self, seed: int, prefix: str = ""):
+        self.rng = np.random.default_rng(seed)
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.count = 0
+
+    def const(self, value: np.ndarray, name: str | None = None) -> str:
+        name = name or self._fresh("c")
+        self.initializers.append(numpy_helper.from_array(value, name))
+        return name
+
+    def weight(self, shape: tuple[int, ...], scale: float | None = None) -> str:
+        fan_in = int(np.prod(shape[1:])) or 1
+        scale = np.sqrt(2.0 / fan_in) if scale is None else scale
+        return self.const((self.rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def op(self, op_type: str, inputs: list[str], outputs: int = 1, out: str | None = None,
+           **attributes) -> str | list[str]:
+        names = [out] if out else [self._fresh(op_type.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, names, name=self._fresh(op_type), **attributes))
+        return names[0] if outputs == 1 else names
+
+    def conv(self, x: str, c_in: int, c_out: int, kernel: int, stride: int = 1, groups: int = 1,
+             out: str | None = None) -> str:
+        w = self.weight((c_out, c_in // groups, kernel, kernel))
+        b = self.const(self.rng.standard_normal(c_out).astype(np.float32) * 0.1)
+        return self.op("Conv", [x, w, b], out=out, kernel_shape=[kernel, kernel],
+                       strides=[stride, stride], pads=[kernel // 2] * 4, group=groups)
+
+    def batch_norm(self, x: str, channels: int) -> str:
+        scale = self.const((1 + 0.1 * self.rng.standard_normal(channels)).astype(np.float32))
+        bias = self.const((0.1 * self.rng.standard_normal(channels)).astype(np.float32))
+        mean = self.const((0.1 * self.rng.standard_normal(channels)).astype(np.float32))
+        var = self.const((1 + 0.1 * self.rng.random(channels)).astype(np.float32))
+        return self.op("BatchNormalization", [x, scale, bias, mean, var])
+
+    def model(self, name: str, inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto]):
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  producer_name="tightfit.testing.zoo")
+        onnx.checker.check_model(model)
+        return model
+
+    def _fresh(self, prefix: str) -> str:
+        self.count += 1
+        return f"{self.prefix}{prefix}_{self.count}"
+
+
+def resnet_style() -> onnx.ModelProto:
+    """Conv-BN-ReLU stem, two residual stages (the second downsamples with a 1x1 projection),
+    global pooling and a fully connected classifier. Batch is dynamic, images 32x32."""
+    g = _GraphBuilder(seed=1)
+    x = g.op("Relu", [g.batch_norm(g.conv("image", 3, 16, 3), 16)])
+    for stage, (c_in, c_out, stride) in enumerate([(16, 16, 1), (16, 32, 2)]):
+        y = g.op("Relu", [g.batch_norm(g.conv(x, c_in, c_out, 3, stride), c_out)])
+        y = g.batch_norm(g.conv(y, c_out, c_out, 3), c_out)
+        shortcut = x if stride == 1 and c_in == c_out else g.batch_norm(g.conv(x, c_in, c_out, 1, stride), c_out)
+        x = g.op("Relu", [g.op("Add", [y, shortcut])])
+    pooled = g.op("Flatten", [g.op("GlobalAveragePool", [x])], axis=1)
+    g.op("Gemm", [pooled, g.weight((10, 32)), g.const(np.zeros(10, np.float32))], out="logits", transB=1)
+    return g.model("resnet_style",
+                   [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+                   [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])])
+
+
+def conv_dynamic_hw() -> onnx.ModelProto:
+    """A fully convolutional net (conv, max-pool, conv, per-pixel 1x1 head) whose height and width
+    are dynamic, with an odd-size pooling edge (floor mode)."""
+    g = _GraphBuilder(seed=2)
+    x = g.op("Relu", [g.conv("image", 3, 12, 3)])
+    x = g.op("MaxPool", [x], kernel_shape=[2, 2], strides=[2, 2])
+    x = g.op("Relu", [g.conv(x, 12, 24, 3)])
+    g.conv(x, 24, 5, 1, out="scores")
+    return g.model("conv_dynamic_hw",
+                   [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, "height", "width"])],
+                   [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 5, "out_h", "out_w"])])
+
+
+def gated_skip_block() -> onnx.ModelProto:
+    """SkipNet-style gating: an `If` on mean(x) > 0 runs a conv block (then) or only scales the
+    input (else); both branches give the same shape."""
+    g = _GraphBuilder(seed=3)
+    gate = g.op("Greater", [g.op("ReduceMean", ["x"], keepdims=0), g.const(np.array(0.0, np.float32))])
+
+    then_graph = _GraphBuilder(seed=4, prefix="then_")
+    then_graph.op("Relu", [then_graph.conv("x", 8, 8, 3)], out="then_out")
+    else_graph = _GraphBuilder(seed=5, prefix="else_")
+    else_graph.op("Mul", ["x", else_graph.const(np.array(0.5, np.float32))], out="else_out")
+
+    def branch(builder, name, output):
+        return helper.make_graph(builder.nodes, name, [],
+                                 [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", 8, 16, 16])],
+                                 builder.initializers)
+
+    g.nodes.append(helper.make_node("If", [gate], ["gated"], name="gate",
+                                    then_branch=branch(then_graph, "then", "then_out"),
+                                    else_branch=branch(else_graph, "else", "else_out")))
+    g.op("Add", ["gated", "x"], out="y")
+    return g.model("gated_skip_block",
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, 16, 16])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 16, 16])])
+
+
+def _gated_feeds(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Drive the gate both ways: positive mean for an even batch size, negative for odd."""
+    shape = shapes["x"]
+    rng = np.random.default_rng(shape[0])
+    sign = 1.0 if shape[0] % 2 == 0 else -1.0
+    return {"x": (rng.standard_normal(shape) + sign).astype(np.float32)}
+
+
+def nonzero_gather() -> onnx.ModelProto:
+    """Data-dependent shapes: the positions where x > 0 (NonZero, count known only at run time)
+    gather a feature row each, which a linear layer maps; the rows are then summed."""
+    g = _GraphBuilder(seed=6)
+    mask = g.op("Greater", ["x", g.const(np.array(0.0, np.float32))])
+    positions = g.op("Transpose", [g.op("NonZero", [mask])], perm=[1, 0])  # [count, 2]
+    rows = g.op("Gather", ["table", g.op("Gather", [positions, g.const(np.array(1, np.int64))], axis=1)], axis=0)
+    projected = g.op("Relu", [g.op("MatMul", [rows, g.weight((16, 8))])])  # [count, 8]
+    g.op("ReduceSum", [projected, g.const(np.array([0], np.int64))], out="summary", keepdims=0)
+    return g.model("nonzero_gather",
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 12]),
+                    helper.make_tensor_value_info("table", TensorProto.FLOAT, [12, 16])],
+                   [helper.make_tensor_value_info("summary", TensorProto.FLOAT, [8])])
+
+
+def topk_computed_k() -> onnx.ModelProto:
+    """TopK whose k is computed from the input's shape (k = length // 4), feeding a softmax."""
+    g = _GraphBuilder(seed=7)
+    length = g.op("Gather", [g.op("Shape", ["scores"]), g.const(np.array([1], np.int64))])
+    k = g.op("Div", [length, g.const(np.array([4], np.int64))])
+    values = g.op("TopK", ["scores", k], outputs=2, axis=1)[0]
+    g.op("Softmax", [values], out="weights", axis=1)
+    return g.model("topk_computed_k",
+                   [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", "length"])],
+                   [helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["batch", "k"])])
+
+
+# --- models exported from PyTorch ------------------------------------------------------------------
+
+def _export(module, example_inputs: tuple, input_names: list[str], output_names: list[str],
+            dynamic_axes: dict) -> onnx.ModelProto:
+    import torch
+
+    buffer = io.BytesIO()
+    with torch.no_grad():
+        torch.onnx.export(module.eval(), example_inputs, buffer, input_names=input_names,
+                          output_names=output_names, dynamic_axes=dynamic_axes,
+                          opset_version=OPSET, dynamo=False)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _torch_attention(width: int, heads: int):
+    """Multi-head self-attention as exporters see it in most models: softmax(QK^T / sqrt(d)) V,
+    with the head split done by reshapes of the run-time shape. (nn.MultiheadAttention's eval-mode
+    fast path, aten::_native_multi_head_attention, has no ONNX export.)"""
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+        def forward(self, x):
+            batch, length, _ = x.shape
+            q, k, v = self.qkv(x).reshape(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+            scores = q @ k.transpose(-2, -1) / (x.shape[-1] // heads) ** 0.5
+            mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, width)
+            return self.out(mixed)
+
+    return Attention()
+
+
+def transformer_encoder() -> onnx.ModelProto:
+    """Two pre-norm encoder layers (multi-head self-attention, GELU MLP) over token embeddings;
+    batch and sequence length are dynamic."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    class Layer(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.attention = _torch_attention(width, 4)
+            self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+        def forward(self, x):
+            x = x + self.attention(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 32)
+            self.layers = nn.Sequential(Layer(32), Layer(32))
+
+        def forward(self, tokens):
+            return self.layers(self.embed(tokens))
+
+    tokens = torch.randint(0, 100, (2, 7))
+    return _export(Encoder(), (tokens,), ["tokens"], ["hidden"],
+                   {"tokens": {0: "batch", 1: "sequence"}, "hidden": {0: "batch", 1: "sequence"}})
+
+
+def _token_feeds(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    return {"tokens": np.random.default_rng(sum(shapes["tokens"])).integers(0, 100, shapes["tokens"])}
+
+
+def detector_fpn() -> onnx.ModelProto:
+    """A detector-style neck: a strided backbone, the coarse map upsampled to the size of the fine
+    one (F.interpolate with size= taken from a tensor's shape) and by scale factor 2, concatenated
+    and fed to a per-pixel head. Height and width are dynamic (multiples of 4)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(1)
+
+    class Neck(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            self.down = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+            self.lateral = nn.Conv2d(16, 8, 1)
+            self.head = nn.Conv2d(24, 6, 3, padding=1)
+
+        def forward(self, image):
+            fine = F.relu(self.stem(image))
+            coarse = F.relu(self.down(fine))
+            to_fine = F.interpolate(self.lateral(coarse), size=fine.shape[-2:], mode="nearest")
+            doubled = F.interpolate(coarse, scale_factor=2.0, mode="nearest")
+            return self.head(torch.cat([to_fine, doubled], dim=1))
+
+    image = torch.randn(1, 3, 32, 48)
+    return _export(Neck(), (image,), ["image"], ["boxes"],
+                   {"image": {0: "batch", 2: "height", 3: "width"}, "boxes": {0: "batch", 2: "out_h", 3: "out_w"}})
+
+
+def speech_encoder() -> onnx.ModelProto:
+    """A speech-style encoder: two stride-2 conv1d layers subsample 40-bin features over time, then
+    one self-attention layer with a residual; batch and time are dynamic."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(2)
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.subsample = nn.Sequential(nn.Conv1d(40, 32, 3, stride=2, padding=1), nn.ReLU(),
+                                           nn.Conv1d(32, 32, 3, stride=2, padding=1), nn.ReLU())
+            self.attention = _torch_attention(32, 4)
+            self.norm = nn.LayerNorm(32)
+
+        def forward(self, features):  # [batch, time, 40]
+            x = self.subsample(features.transpose(1, 2)).transpose(1, 2)
+            return self.norm(x + self.attention(x))
+
+    features = torch.randn(2, 50, 40)
+    return _export(Encoder(), (features,), ["features"], ["encoded"],
+                   {"features": {0: "batch", 1: "time"}, "encoded": {0: "batch", 1: "frames"}})
+
+
+# --- the registry ----------------------------------------------------------------------------------
+
+_MODELS = [
+    ZooModel("resnet_style", "ResNet-style CNN, dynamic batch", resnet_style,
+             [{"image": (1, 3, 32, 32)}, {"image": (4, 3, 32, 32)}]),
+    ZooModel("mobilenet_v2_style", "MobileNetV2-style inverted residual blocks, dynamic batch/H/W",
+             convnet_dynamic, [{"image": (1, 3, 64, 64)}, {"image": (2, 3, 96, 80)}]),
+    ZooModel("conv_dynamic_hw", "fully convolutional net, dynamic H/W", conv_dynamic_hw,
+             [{"image": (1, 3, 32, 32)}, {"image": (1, 3, 45, 61)}, {"image": (1, 3, 64, 20)}]),
+    ZooModel("gated_skip_block", "If on a data-dependent gate (both branches exercised)",
+             gated_skip_block, [{"x": (2, 8, 16, 16)}, {"x": (1, 8, 16, 16)}, {"x": (3, 8, 16, 16)}],
+             feeds=_gated_feeds),
+    ZooModel("nonzero_gather", "NonZero feeding Gather/MatMul: data-dependent row count",
+             nonzero_gather, [{"x": (4, 12), "table": (12, 16)}, {"x": (9, 12), "table": (12, 16)}]),
+    ZooModel("topk_computed_k", "TopK with k computed from the input shape", topk_computed_k,
+             [{"scores": (2, 16)}, {"scores": (3, 40)}]),
+    ZooModel("transformer_encoder", "PyTorch transformer encoder, dynamic batch and sequence",
+             transformer_encoder, [{"tokens": (1, 5)}, {"tokens": (3, 16)}, {"tokens": (2, 33)}],
+             feeds=_token_feeds, needs_torch=True),
+    ZooModel("detector_fpn", "PyTorch detector neck: interpolate to a computed size, concat",
+             detector_fpn, [{"image": (1, 3, 32, 48)}, {"image": (2, 3, 64, 40)}], needs_torch=True),
+    ZooModel("speech_encoder", "PyTorch conv1d subsampling + attention, dynamic batch and time",
+             speech_encoder, [{"features": (1, 40, 40)}, {"features": (2, 77, 40)}], needs_torch=True),
+]
+_BY_NAME = {model.name: model for model in _MODELS}
+
+
+def names() -> list[str]:
+    return [model.name for model in _MODELS]
+
+
+def get(name: str) -> ZooModel:
+    if name not in _BY_NAME:
+        raise KeyError(f"no zoo model {name!r}; the zoo has {', '.join(names())}")
+    return _BY_NAME[name]
