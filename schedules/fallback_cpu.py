@@ -41,6 +41,8 @@ def schedule_prim_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
     root = schedule.get_sblock("root")
     for block in schedule.get_child_blocks(root):
         loops = schedule.get_loops(block)
+        if any(_is_empty(schedule.get(loop).extent) for loop in loops):
+            continue  # an empty tensor: nothing runs, and fusing would divide by a zero extent
         count = min(MAX_FUSED_LOOPS, _leading_spatial_loop_count(schedule, block, loops))
         if count == 0:
             continue
@@ -110,6 +112,10 @@ def _leading_spatial_loop_count(schedule: s_tir.Schedule, block, loops) -> int:
 
 
 _get_sblock_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+
+
+def _is_empty(extent) -> bool:
+    return isinstance(extent, tirx.IntImm) and extent.value == 0
 
 
 def _has_root_block(func: tirx.PrimFunc) -> bool:

@@ -6,9 +6,9 @@ shape to be Shape", "TopK k must be a constant", `int(val.value)` on a symbolic 
 Exported models compute such inputs in the graph (PyTorch's `x.reshape(batch, -1)`, `k = n // 4`,
 `F.interpolate(size=other.shape[-2:])`), and the ONNX backend tests pass them as graph inputs.
 
-The common tool is `runtime_values`: an int64 vector tensor becomes a `ShapeExpr` of fresh
-symbolic variables bound by `match_cast` (checked when the model runs), which every Relax op that
-takes a shape accepts. Each class subclasses TVM's converter and hands the cases TVM handles back
+The common tools: `runtime_shape` turns an int64 vector tensor into a shape value that Relax ops
+taking a shape accept, and `named_dims` gives the result's unknown dims fresh symbols bound by a
+`match_cast` (checked when the model runs), so that later ops can be lowered. Each class subclasses TVM's converter and hands the cases TVM handles back
 to it, so only the run-time path is new. (SoD2 §3: these are the ISVDOS ops.)
 """
 
@@ -26,16 +26,36 @@ def is_runtime_tensor(value) -> bool:
             and not isinstance(value, tvm.ir.GenericConst))
 
 
-def runtime_values(bb: relax.BlockBuilder, vector: relax.Expr, name: str) -> list[tirx.Var]:
-    """The elements of a 1-D integer tensor of static length as symbolic variables."""
-    length = vector.ty.shape.values[0] if vector.ty.shape is not None else None
-    if not isinstance(length, tirx.IntImm):
-        raise ValueError(f"{name} must have a static length to become a shape")
+def runtime_shape(bb: relax.BlockBuilder, vector: relax.Expr) -> relax.Expr:
+    """A 1-D integer tensor of static length as a shape value, for ops that take a shape."""
+    vector = bb.normalize(vector)
     as_int64 = vector if vector.ty.dtype == "int64" else bb.emit(relax.op.astype(vector, "int64"))
-    symbols = [tirx.Var(f"{name}{index}", "int64") for index in range(int(length))]
-    shape = bb.emit(relax.op.tensor_to_shape(as_int64))
-    bb.match_cast(shape, relax.ShapeType(symbols))
-    return symbols
+    return bb.emit(relax.op.tensor_to_shape(as_int64))
+
+
+def runtime_arange(bb: relax.BlockBuilder, length: relax.Expr, prefix: str) -> relax.Expr:
+    """0, 1, ..., n-1 for an n held in a one-element int64 tensor: indices of run-time length.
+
+    Built as cumsum(ones(n)) - 1 so that the length travels as a shape value; TVM 0.27 lowers a
+    dynamic_strided_slice to a call of a function it then loses, so slicing is done with `take`.
+    """
+    ones = bb.emit(relax.op.ones(runtime_shape(bb, relax.op.reshape(length, [1])), "int64"))
+    counted = relax.op.subtract(relax.op.cumsum(ones, axis=0), relax.const(1, "int64"))
+    return named_dims(bb, bb.emit(counted), prefix)
+
+
+def named_dims(bb: relax.BlockBuilder, tensor: relax.Expr, prefix: str) -> relax.Expr:
+    """`tensor` with a fresh symbol for each dim its type does not know.
+
+    The symbols are bound by a match_cast of the tensor itself (checked at run time), which its
+    consumers use — a match_cast of a shape nobody uses is dropped by later passes, leaving the
+    symbols undefined.
+    """
+    ty = tensor.ty
+    if ty.shape is not None:
+        return tensor
+    symbols = [tirx.Var(f"{prefix}{axis}", "int64") for axis in range(ty.ndim)]
+    return bb.match_cast(tensor, relax.TensorType(symbols, ty.dtype))
 
 
 def _shape_tensor(bb: relax.BlockBuilder, data: relax.Expr) -> relax.Expr:
@@ -66,7 +86,7 @@ class Reshape(onnx_frontend.Reshape):
                                              relax.const(1, "int64"), target))
         inferred = relax.op.floor_divide(relax.op.prod(input_shape), known)
         target = bb.emit(relax.op.where(relax.op.equal(target, minus_one), inferred, target))
-        return relax.op.reshape(data, relax.ShapeExpr(runtime_values(bb, target, "reshape_dim")))
+        return named_dims(bb, bb.emit(relax.op.reshape(data, runtime_shape(bb, target))), "reshape_dim")
 
 
 class TopK(onnx_frontend.TopK):
@@ -86,13 +106,13 @@ class TopK(onnx_frontend.TopK):
         axis = attr.get("axis", -1)
         if not attr.get("sorted", 1):
             raise ValueError("TopK with sorted=0 is not supported")
-        if isinstance(k, relax.ShapeExpr):  # k folded to a symbolic expression at import
-            k_symbol = k.values[0]
-        else:
-            (k_symbol,) = runtime_values(bb, bb.emit(relax.op.reshape(k, [1])), "topk_k")
         order = bb.emit(relax.op.argsort(data, axis=axis, descending=bool(attr.get("largest", 1)),
                                          dtype="int64"))
-        indices = bb.emit(relax.op.strided_slice(order, axes=[axis], begin=[0], end=[k_symbol]))
+        if isinstance(k, relax.ShapeExpr):  # k folded to a symbolic expression at import
+            indices = bb.emit(relax.op.strided_slice(order, axes=[axis], begin=[0], end=[k.values[0]]))
+        else:
+            first_k = runtime_arange(bb, relax.op.astype(k, "int64"), "topk_k")
+            indices = bb.emit(relax.op.take(order, first_k, axis=axis))
         values = bb.emit(relax.op.gather_elements(data, indices, axis=axis))
         return relax.Tuple([values, indices])
 
@@ -113,17 +133,17 @@ class Resize(onnx_frontend.Resize):
         if len(data.ty.shape.values) != 4 or is_runtime_tensor(roi):
             raise ValueError("run-time Resize sizes are supported for 4-D NCHW inputs with a constant roi")
         if isinstance(sizes, relax.ShapeExpr):
-            height, width = sizes.values[2:]
-        elif sizes is not None:
-            height, width = runtime_values(bb, sizes, "resize_size")[2:]
+            size = relax.ShapeExpr(sizes.values[2:])
         else:
-            input_shape = bb.emit(relax.op.astype(_shape_tensor(bb, data), "float32"))
-            scaled = relax.op.floor(relax.op.multiply(input_shape, relax.op.astype(scales, "float32")))
-            height, width = runtime_values(bb, bb.emit(relax.op.astype(scaled, "int64")), "resize_size")[2:]
+            if sizes is None:
+                input_shape = bb.emit(relax.op.astype(_shape_tensor(bb, data), "float32"))
+                sizes = relax.op.floor(relax.op.multiply(input_shape, relax.op.astype(scales, "float32")))
+            spatial = relax.op.strided_slice(relax.op.astype(sizes, "int64"), axes=[0], begin=[2], end=[4])
+            size = runtime_shape(bb, bb.emit(spatial))
         mode = attr.get("mode", b"nearest").decode("ascii")
         roi_values = roi.value.numpy().tolist() if isinstance(roi, tvm.ir.GenericConst) else []
-        return relax.op.image.resize2d(
-            data, size=relax.ShapeExpr([height, width]),
+        resized = relax.op.image.resize2d(
+            data, size=size,
             roi=roi_values[2:4] + roi_values[6:8] if len(roi_values) == 8 else [0.0] * 4,
             layout="NCHW", method="nearest_neighbor" if mode == "nearest" else mode,
             coordinate_transformation_mode=attr.get("coordinate_transformation_mode", b"half_pixel").decode("ascii"),
@@ -131,6 +151,7 @@ class Resize(onnx_frontend.Resize):
             cubic_alpha=attr.get("cubic_coeff_a", -0.75), cubic_exclude=attr.get("exclude_outside", 0),
             extrapolation_value=attr.get("extrapolation_value", 0.0),
         )
+        return named_dims(bb, bb.emit(resized), "resize_dim")
 
 
 def shape_values(bb: relax.BlockBuilder, value) -> list | None:

@@ -1,0 +1,277 @@
+"""Conformance: the ONNX backend node tests (shipped in the `onnx` package) run through tightfit.
+
+`TightfitBackend` is an `onnx.backend.base.Backend`, so onnx's own `BackendTest` can drive it;
+`run_node_tests` runs the node cases itself so that each case is isolated and classified:
+- pass: outputs equal onnx's reference (onnx's comparison and per-case tolerances);
+- fail: wrong numbers, a conversion or compile error, a crash or a time-out;
+- not-supported: an op tightfit does not import, or inputs that are not tensors (sequences,
+  optionals).
+Cases run in worker processes, fed one case at a time; a worker that crashes (TVM can abort the
+process) or takes longer than the time limit is replaced and the case counted as failed. The same
+runner measures stock TVM 0.27 (`from_onnx` + `tvm.compile`, engine "tvm"), so the comparison is
+made, not quoted.
+
+    python -m tightfit.conformance [--engine tightfit|tvm] [--pattern REGEX] [--jobs N] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import selectors
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+from functools import cache
+
+import numpy as np
+import onnx
+from onnx.backend.base import Backend, BackendRep
+
+PASS, FAIL, NOT_SUPPORTED = "pass", "fail", "not-supported"
+CASE_TIMEOUT_S = 120
+
+
+class TightfitRep(BackendRep):
+    def __init__(self, package):
+        self.session = package.session()
+
+    def run(self, inputs, **kwargs):
+        if isinstance(inputs, dict):
+            feeds = inputs
+        else:
+            feeds = dict(zip(self.session.input_names, inputs))
+        return tuple(self.session.run(feeds).values())
+
+
+class TightfitBackend(Backend):
+    """onnx's backend interface over `tightfit.compile` for the host CPU."""
+
+    @classmethod
+    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs) -> TightfitRep:
+        from . import compile as tightfit_compile
+
+        return TightfitRep(tightfit_compile(model))
+
+    @classmethod
+    def supports_device(cls, device: str) -> bool:
+        return device == "CPU"
+
+
+@dataclass
+class CaseResult:
+    name: str
+    op: str
+    status: str
+    reason: str = ""
+    seconds: float = 0.0
+
+
+@cache
+def node_cases() -> dict:
+    """The node test cases of the installed onnx, by name."""
+    import warnings
+
+    from onnx.backend.test.loader import load_model_tests
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the case generators overflow casts on purpose
+        return {case.name: case for case in load_model_tests(kind="node")}
+
+
+def case_op(case) -> str:
+    ops = [node.op_type for node in case.model.graph.node if node.op_type != "Constant"]
+    return ops[-1] if ops else "Constant"
+
+
+def run_case(case, engine: str) -> tuple[str, str]:
+    """(status, reason) of one case on one engine, in this process."""
+    from onnx.backend.test.runner import Runner
+
+    from .errors import UnsupportedOperatorError
+
+    for inputs, _ in case.data_sets:
+        if not all(isinstance(value, np.ndarray) for value in inputs):
+            return NOT_SUPPORTED, "inputs are sequences or optionals"
+    try:
+        run = _prepare(case.model, engine)
+        for inputs, expected in case.data_sets:
+            outputs = run(inputs)
+            Runner.assert_similar_outputs(expected, outputs, rtol=case.rtol, atol=case.atol)
+    except UnsupportedOperatorError as err:
+        return NOT_SUPPORTED, str(err)
+    except AssertionError as err:
+        return FAIL, "wrong output: " + _one_line(err)
+    except Exception as err:  # every other error is a failure of this engine on this case
+        if type(err).__name__ == "OpNotImplemented":
+            return NOT_SUPPORTED, _one_line(err)
+        return FAIL, f"{type(err).__name__}: {_one_line(err)}"
+    return PASS, ""
+
+
+def _prepare(model: onnx.ModelProto, engine: str):
+    if engine == "tightfit":
+        return TightfitBackend.prepare(model).run
+    if engine == "tvm":
+        import tvm
+        from tvm import relax
+        from tvm.relax.frontend.onnx import from_onnx
+
+        from .session import _flatten
+
+        executable = tvm.compile(from_onnx(model), tvm.target.Target({"kind": "llvm"}))
+        vm = relax.VirtualMachine(executable, tvm.cpu())
+        return lambda inputs: [t.numpy() for t in _flatten(vm["main"](*[tvm.runtime.tensor(x) for x in inputs]))]
+    raise ValueError(f"unknown engine {engine!r}; use tightfit or tvm")
+
+
+def _one_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:240]
+
+
+# --- the runner ------------------------------------------------------------------------------------
+
+def run_node_tests(engine: str = "tightfit", pattern: str | None = None, jobs: int = 1,
+                   json_path: str | None = None, names: list[str] | None = None,
+                   progress: bool = True) -> list[CaseResult]:
+    """Run the node cases (all, those matching `pattern`, or `names`) in `jobs` workers."""
+    cases = node_cases()
+    selected = names if names is not None else [
+        name for name in sorted(cases) if pattern is None or re.search(pattern, name)]
+    ops = {name: case_op(cases[name]) for name in selected}
+    results: list[CaseResult] = []
+    pending = list(reversed(selected))
+    workers = [_Worker(engine) for _ in range(max(1, min(jobs, len(selected))))]
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(selected), desc=f"conformance {engine}", unit="case", disable=not progress,
+               file=sys.stderr)
+    try:
+        while pending or any(worker.current for worker in workers):
+            for worker in workers:
+                if worker.current is None and pending:
+                    worker.send(pending.pop())
+            for worker in workers:
+                finished = worker.poll()
+                if finished is not None:
+                    name, status, reason, seconds = finished
+                    results.append(CaseResult(name, ops[name], status, reason, round(seconds, 3)))
+                    bar.update(1)
+    finally:
+        bar.close()
+        for worker in workers:
+            worker.stop()
+    results.sort(key=lambda result: result.name)
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump({"engine": engine, "summary": summarize(results),
+                       "cases": [asdict(r) for r in results]}, out, indent=1)
+    return results
+
+
+class _Worker:
+    """A process running cases one at a time; replaced when it dies or overruns a case."""
+
+    def __init__(self, engine: str):
+        self.engine = engine
+        self.current: str | None = None
+        self.started = 0.0
+        self._start()
+
+    def _start(self):
+        environment = dict(os.environ, TVM_NUM_THREADS="1")  # workers run side by side
+        self.process = subprocess.Popen([sys.executable, "-m", "tightfit.conformance", "--worker", self.engine],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True, env=environment)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.process.stdout, selectors.EVENT_READ)
+
+    def send(self, name: str):
+        self.current, self.started = name, time.monotonic()
+        self.process.stdin.write(name + "\n")
+        self.process.stdin.flush()
+
+    def poll(self):
+        if self.current is None:
+            return None
+        if self.selector.select(timeout=0.05):
+            line = self.process.stdout.readline()
+            if line:
+                reply = json.loads(line)
+                self.current = None
+                return reply["name"], reply["status"], reply["reason"], reply["seconds"]
+            return self._replace("worker crashed")
+        if time.monotonic() - self.started > CASE_TIMEOUT_S:
+            return self._replace(f"timed out after {CASE_TIMEOUT_S} s")
+        return None
+
+    def _replace(self, reason: str):
+        name, seconds = self.current, time.monotonic() - self.started
+        self.stop()
+        self.current = None
+        self._start()
+        return name, FAIL, reason, seconds
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait()
+
+
+def _worker_main(engine: str) -> None:
+    replies = sys.stdout
+    sys.stdout = sys.stderr  # converters print diagnostics; only replies go to the parent
+    cases = node_cases()
+    for line in sys.stdin:
+        name = line.strip()
+        started = time.perf_counter()
+        status, reason = run_case(cases[name], engine)
+        replies.write(json.dumps({"name": name, "status": status, "reason": reason,
+                                  "seconds": time.perf_counter() - started}) + "\n")
+        replies.flush()
+
+
+# --- reports ---------------------------------------------------------------------------------------
+
+def summarize(results: list[CaseResult]) -> dict:
+    totals = Counter(result.status for result in results)
+    return {"cases": len(results), PASS: totals[PASS], FAIL: totals[FAIL],
+            NOT_SUPPORTED: totals[NOT_SUPPORTED]}
+
+
+def per_op_table(results: list[CaseResult]) -> str:
+    by_op: dict[str, Counter] = defaultdict(Counter)
+    for result in results:
+        by_op[result.op][result.status] += 1
+    lines = [f"{'op':28} {'pass':>5} {'fail':>5} {'n/s':>5}"]
+    for op in sorted(by_op):
+        counts = by_op[op]
+        lines.append(f"{op:28} {counts[PASS]:5d} {counts[FAIL]:5d} {counts[NOT_SUPPORTED]:5d}")
+    summary = summarize(results)
+    lines.append(f"{'total':28} {summary[PASS]:5d} {summary[FAIL]:5d} {summary[NOT_SUPPORTED]:5d}"
+                 f"   of {summary['cases']} cases")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tightfit conformance", description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["tightfit", "tvm"], default="tightfit")
+    parser.add_argument("--pattern", help="only cases whose name matches this regular expression")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--json", help="write every case's result to this file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker_main(args.worker)
+        return 0
+    results = run_node_tests(args.engine, args.pattern, args.jobs, args.json)
+    print(per_op_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

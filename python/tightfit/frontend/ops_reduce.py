@@ -1,0 +1,96 @@
+"""Reductions whose axes arrive as a tensor computed at run time (ONNX opset 13/18 `axes` input).
+
+TVM 0.27's converters assert the axes are constant. When they are not, which dims shrink (and,
+with keepdims=0, which dims remain) is known only at run time — an ISVDOS op in SoD2's terms.
+The reduction is computed one dim at a time: the input reduced along dim d, broadcast back, is
+selected where d is among the axes; after all dims, every reduced dim holds its result repeated,
+and taking the first 1 (reduced) or n (kept) entries of each dim keeps one copy. That is exact for
+reductions that compose over dims (sum, mean, max, min, prod); the others are written in terms
+of them (sum of squares, L1, L2, log-sum, log-sum-exp stabilized by the max). Axes must not
+repeat (ONNX forbids it): with keepdims=0 the output rank is the input rank minus their count.
+"""
+
+from __future__ import annotations
+
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend
+from tvm.relax.frontend.onnx.onnx_frontend import get_constant
+
+from .ops_shape import is_runtime_tensor, named_dims, runtime_arange, runtime_shape
+
+_COMPOSING = {"sum": relax.op.sum, "mean": relax.op.mean, "max": relax.op.max,
+              "min": relax.op.min, "prod": relax.op.prod}
+
+
+def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.Expr, kind: str,
+                         keepdims: bool) -> relax.Expr:
+    rank = len(data.ty.shape.values)
+    axes = bb.emit(relax.op.astype(axes, "int64"))
+    axes = bb.emit(relax.op.where(relax.op.less(axes, relax.const(0, "int64")),
+                                  relax.op.add(axes, relax.const(rank, "int64")), axes))
+    dims = relax.const(list(range(rank)), "int64")
+    matches = relax.op.equal(relax.op.expand_dims(axes, 1), dims)  # [len(axes), rank]
+    reduced = bb.emit(relax.op.greater(relax.op.sum(relax.op.astype(matches, "int64"), axis=[0]),
+                                       relax.const(0, "int64")))  # [rank] bool
+
+    def compose(x: relax.Expr, op) -> relax.Expr:
+        for dim in range(rank):
+            along = relax.op.broadcast_to(op(x, axis=[dim], keepdims=True), x.ty.shape)
+            flag = relax.op.take(reduced, relax.const(dim, "int64"), axis=0)
+            x = bb.emit(relax.op.where(flag, along, x))
+        return x
+
+    if kind == "log_sum_exp":
+        peak = compose(data, relax.op.max)
+        spread = compose(bb.emit(relax.op.exp(relax.op.subtract(data, peak))), relax.op.sum)
+        full = bb.emit(relax.op.add(relax.op.log(spread), peak))
+    else:
+        pre = {"sum_square": lambda x: relax.op.multiply(x, x), "l2": lambda x: relax.op.multiply(x, x),
+               "l1": relax.op.abs}.get(kind, lambda x: x)
+        core = _COMPOSING.get(kind, relax.op.sum)
+        post = {"l2": relax.op.sqrt, "log_sum": relax.op.log}.get(kind, lambda x: x)
+        full = bb.emit(post(compose(bb.emit(pre(data)), core)))
+
+    input_shape = bb.emit(relax.op.shape_to_tensor(relax.op.shape_of(data)))
+    kept_shape = bb.emit(relax.op.where(reduced, relax.const(1, "int64"), input_shape))
+    result = full
+    for dim in range(rank):  # keep the first kept_shape[dim] entries: 1 where reduced
+        length = relax.op.strided_slice(kept_shape, axes=[0], begin=[dim], end=[dim + 1])
+        result = bb.emit(relax.op.take(result, runtime_arange(bb, length, f"reduced_dim{dim}_"), axis=dim))
+    if keepdims:
+        return result
+    # Kept dims first, in order: sort by (reduced, position); the first rank - len(axes) remain.
+    remaining = rank - int(axes.ty.shape.values[0])
+    order = relax.op.add(relax.op.multiply(relax.op.astype(reduced, "int64"), relax.const(rank, "int64")), dims)
+    kept = relax.op.strided_slice(relax.op.argsort(order, dtype="int64"), axes=[0], begin=[0], end=[remaining])
+    out_shape = bb.emit(relax.op.take(input_shape, kept, axis=0))
+    return named_dims(bb, bb.emit(relax.op.reshape(result, runtime_shape(bb, out_shape))), "kept_dim")
+
+
+def _runtime_axes_converter(base: type, kind: str, version: int) -> type:
+    """A subclass of TVM's converter `base` that handles run-time axes at `version`."""
+
+    def convert(cls, bb, inputs, attr, params):
+        axes = get_constant(inputs[1], params) if len(inputs) > 1 and inputs[1] is not None else None
+        if is_runtime_tensor(axes) and int(axes.ty.shape.values[0]) == 0:
+            inputs = inputs[:1]  # no axes is known statically: ONNX's "all dims" or a no-op
+        if not is_runtime_tensor(axes) or len(inputs) == 1:
+            return getattr(super(subclass, cls), f"_impl_v{version}")(bb, inputs, attr, params)
+        return _reduce_runtime_axes(bb, inputs[0], axes, kind, bool(attr.get("keepdims", 1)))
+
+    subclass = type(base.__name__, (base,), {
+        "__doc__": f"{base.__name__} with axes computed at run time (see module docstring).",
+        f"_impl_v{version}": classmethod(convert),
+    })
+    return subclass
+
+
+CONVERTERS = {
+    name: _runtime_axes_converter(getattr(onnx_frontend, name), kind, version)
+    for name, kind, version in [
+        ("ReduceSum", "sum", 13), ("ReduceMean", "mean", 18), ("ReduceMax", "max", 18),
+        ("ReduceMin", "min", 18), ("ReduceProd", "prod", 18), ("ReduceSumSquare", "sum_square", 18),
+        ("ReduceL1", "l1", 18), ("ReduceL2", "l2", 18), ("ReduceLogSum", "log_sum", 18),
+        ("ReduceLogSumExp", "log_sum_exp", 18),
+    ]
+}
