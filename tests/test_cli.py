@@ -16,7 +16,7 @@ def tightfit(*args, check_rc=None):
     return completed
 
 
-@pytest.mark.parametrize("command", ["compile", "run", "bench", "inspect"])
+@pytest.mark.parametrize("command", ["compile", "run", "bench", "inspect", "conformance"])
 def test_every_subcommand_has_help(command):
     result = tightfit(command, "--help", check_rc=0)
     assert "usage: tightfit " + command in result.stdout

@@ -73,6 +73,15 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--out", metavar="DIR", default="bench/results", help="where bench.json and bench.md go")
     bench_cmd.set_defaults(handler=_bench)
 
+    conformance_cmd = commands.add_parser("conformance", parents=[common],
+                                          help="run the ONNX backend node tests (shipped in onnx)")
+    conformance_cmd.add_argument("--engine", choices=["tightfit", "tvm"], default="tightfit",
+                                 help="tightfit, or stock TVM for comparison (default tightfit)")
+    conformance_cmd.add_argument("--pattern", help="only cases whose name matches this regular expression")
+    conformance_cmd.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    conformance_cmd.add_argument("--out", metavar="FILE", help="write every case's result as JSON")
+    conformance_cmd.set_defaults(handler=_conformance)
+
     inspect_cmd = commands.add_parser("inspect", parents=[common], help="show the pipeline and the imported model's ops")
     inspect_cmd.add_argument("model", help="the ONNX file")
     _add_target_options(inspect_cmd)
@@ -208,6 +217,14 @@ def _bench_loading(args, jobs) -> int:
     path = write_loading_reports(results, args.out)
     _emit(args, json.loads((path.parent / "loading.json").read_text()),
           loading_table(results) + f"\n\nwrote {path}")
+    return 0
+
+
+def _conformance(args) -> int:
+    from .conformance import per_op_table, run_node_tests, summarize
+
+    results = run_node_tests(args.engine, args.pattern, args.jobs, args.out)
+    _emit(args, summarize(results), per_op_table(results))
     return 0
 
 

@@ -190,7 +190,8 @@ class Concat(onnx_frontend.Concat):
             inputs = [bb.emit(relax.op.shape_to_tensor(value)) if isinstance(value, relax.ShapeExpr)
                       else value for value in inputs]
         joined = super()._impl_v13(bb, inputs, attr, params)
-        if isinstance(joined, relax.Call) and bb.normalize(joined).ty.shape is None:
+        if (isinstance(joined, relax.Call) and bb.normalize(joined).ty.shape is None
+                and all(isinstance(value.ty.shape, relax.ShapeExpr) for value in inputs)):
             return relax.op.concat(_agreeing_off_axis(bb, inputs, attr.get("axis", 0)), attr.get("axis", 0))
         return joined
 
