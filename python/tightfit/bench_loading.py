@@ -37,6 +37,7 @@ class LoadingResult:
     weight_mb: float
     seconds: dict[str, float]
     peak_rss_mb: dict[str, float]
+    failures: dict[str, str]
 
 
 def benchmark_loading(model: str | Path | onnx.ModelProto, name: str,
@@ -53,14 +54,18 @@ def benchmark_loading(model: str | Path | onnx.ModelProto, name: str,
         artifacts = {"tightfit": str(Path(scratch) / "model.tfpkg"),
                      "tvm-default": str(Path(scratch) / "tvm_default.so")}
         baseline = run_worker({"job": "import-only"})["peak_rss_kib"]
-        seconds, peaks = {}, {}
+        seconds, peaks, failures = {}, {}, {}
         for label, job in CASES:  # builds come first: each load reads what its build wrote
             engine = "tightfit" if "tightfit" in job else "tvm-default"
-            measured = run_worker({"job": job, "model": str(model_path), "artifact": artifacts[engine],
-                                   **io})
+            try:
+                measured = run_worker({"job": job, "model": str(model_path),
+                                       "artifact": artifacts[engine], **io})
+            except RuntimeError as err:  # e.g. stock TVM cannot import the model
+                failures[label] = str(err)
+                continue
             seconds[label] = round(measured["seconds"], 3)
             peaks[label] = round((measured["peak_rss_kib"] - baseline) / 1024, 1)
-    return LoadingResult(name, round(weight_bytes / 2**20, 1), seconds, peaks)
+    return LoadingResult(name, round(weight_bytes / 2**20, 1), seconds, peaks, failures)
 
 
 def loading_table(results: list[LoadingResult]) -> str:
@@ -68,8 +73,11 @@ def loading_table(results: list[LoadingResult]) -> str:
     lines = ["| model | weights MB | " + " | ".join(f"{label} s / MB" for label in labels) + " |",
              "|---|---|" + "---|" * len(labels)]
     for result in results:
-        cells = [f"{result.seconds[label]:.2f} s / {result.peak_rss_mb[label]:.0f} MB" for label in labels]
+        cells = [f"{result.seconds[label]:.2f} s / {result.peak_rss_mb[label]:.0f} MB"
+                 if label in result.seconds else "failed" for label in labels]
         lines.append(f"| {result.model} | {result.weight_mb:.1f} | " + " | ".join(cells) + " |")
+    failures = [f"- {r.model} / {label}: {why}" for r in results for label, why in r.failures.items()]
+    lines += ["", "Failures:", *failures] if failures else []
     lines += ["", "Time to a ready session and peak RSS above a process that only imports the "
               "libraries, each case in a fresh process."]
     return "\n".join(lines)
