@@ -1,7 +1,6 @@
 """The packed-weight file: format, dedup, zero-copy mapping, sharing, invalidation, atomicity."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
