@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -323,8 +324,10 @@ def _error_summary(error: Exception) -> str:
 
 
 def _last_line(text: str) -> str:
-    """TVM puts the message on the last line of its multi-line errors."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
+    """TVM puts the message on the last line of its multi-line errors; its C++ log warnings
+    (`[hh:mm:ss] file.cc:NN: Warning: ...`), printed as a process exits, are not the message."""
+    lines = [line for line in text.strip().splitlines()
+             if line.strip() and not re.match(r"\[\d\d:\d\d:\d\d\] .*Warning", line)]
     return lines[-1][:300] if lines else ""
 
 
