@@ -154,6 +154,63 @@ class Resize(onnx_frontend.Resize):
         return named_dims(bb, bb.emit(resized), "resize_dim")
 
 
+class Slice(onnx_frontend.Slice):
+    """Slice with starts, ends, axes or steps given at run time: every dim is a `take` of
+    start + step * arange(count), ONNX's clamping done in the tensor domain (dims not sliced
+    take their whole range). TVM's own path lowers to dynamic_strided_slice, whose shape function
+    the constant folding before legalization loses."""
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data = inputs[0]
+        starts, ends, axes, steps = [
+            get_constant(inputs[i], params) if len(inputs) > i and inputs[i] is not None else None
+            for i in (1, 2, 3, 4)]
+        if (not any(is_runtime_tensor(value) for value in (starts, ends, axes, steps))
+                or isinstance(data, relax.ShapeExpr) or not isinstance(data.ty.shape, relax.ShapeExpr)):
+            return super()._impl_v13(bb, inputs, attr, params)
+        rank = len(data.ty.shape.values)
+
+        def int64(value):
+            return relax.const(value, "int64")
+
+        shape = bb.emit(relax.op.shape_to_tensor(relax.op.shape_of(data)))
+        if axes is None:
+            axes = int64(list(range(int(starts.ty.shape.values[0]))))
+        axes = relax.op.astype(axes, "int64")
+        axes = bb.emit(relax.op.where(relax.op.less(axes, int64(0)), relax.op.add(axes, int64(rank)), axes))
+
+        def full(defaults, values):  # per-dim vector: the given values at `axes`, defaults elsewhere
+            if values is None:
+                return defaults
+            return bb.emit(relax.op.scatter_elements(defaults, axes, relax.op.astype(values, "int64")))
+
+        all_starts = full(int64([0] * rank), starts)
+        all_ends = full(shape, ends)
+        all_steps = full(int64([1] * rank), steps)
+        result = data
+        for axis in range(rank):
+            def at(vector):
+                return bb.emit(relax.op.take(vector, int64(axis), axis=0))
+
+            dim, start, end, step = at(shape), at(all_starts), at(all_ends), at(all_steps)
+            positive = relax.op.greater(step, int64(0))
+            last = relax.op.subtract(dim, int64(1))
+            start = relax.op.where(relax.op.less(start, int64(0)), relax.op.add(start, dim), start)
+            end = relax.op.where(relax.op.less(end, int64(0)), relax.op.add(end, dim), end)
+            start = relax.op.minimum(relax.op.maximum(start, int64(0)), relax.op.where(positive, dim, last))
+            end = relax.op.minimum(relax.op.maximum(end, relax.op.where(positive, int64(0), int64(-1))),
+                                   relax.op.where(positive, dim, last))
+            start, end = bb.emit(start), bb.emit(end)
+            toward = relax.op.subtract(step, relax.op.where(positive, int64(1), int64(-1)))
+            length = relax.op.maximum(
+                relax.op.floor_divide(relax.op.add(relax.op.subtract(end, start), toward), step), int64(0))
+            offsets = runtime_arange(bb, bb.emit(length), f"slice_axis{axis}_")
+            indices = bb.emit(relax.op.add(start, relax.op.multiply(step, offsets)))
+            result = bb.emit(relax.op.take(result, indices, axis=axis))
+        return result
+
+
 def shape_values(bb: relax.BlockBuilder, value) -> list | None:
     """The elements of `value` as shape values, if it is a shape in disguise: a ShapeExpr, an
     int64 constant vector, or (through int64 casts) `shape_to_tensor` of a ShapeExpr."""
@@ -209,4 +266,4 @@ def _agreeing_off_axis(bb: relax.BlockBuilder, tensors: list, axis: int) -> list
     return agreeing
 
 
-CONVERTERS = {"Reshape": Reshape, "TopK": TopK, "Resize": Resize, "Concat": Concat}
+CONVERTERS = {"Reshape": Reshape, "TopK": TopK, "Resize": Resize, "Concat": Concat, "Slice": Slice}
