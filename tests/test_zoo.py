@@ -1,5 +1,6 @@
 """Every zoo model compiles once and matches onnxruntime at each of its shapes."""
 
+import numpy as np
 import pytest
 
 import tightfit
@@ -7,16 +8,22 @@ from tightfit.feeds import random_feeds, run_onnxruntime
 from tightfit.frontend import declared_inputs
 from tightfit.testing import zoo
 
-import numpy as np
+
+def build(entry: zoo.ZooModel):
+    """The entry's model; a skip when it is exported from PyTorch and torch is not installed."""
+    try:
+        return entry.build()
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        pytest.skip(f"{entry.name} is exported from PyTorch, which is not installed")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_zoo_model_matches_onnxruntime_at_every_shape_with_one_package(name):
     entry = zoo.get(name)
-    if entry.needs_torch:
-        pytest.importorskip("torch")
-    model = entry.build()
+    model = build(entry)
     session = tightfit.compile(model).session()
     for shapes in entry.shape_sets:
         feeds = entry.feeds(shapes) if entry.feeds else random_feeds(declared_inputs(model.graph), shapes)
@@ -25,6 +32,7 @@ def test_zoo_model_matches_onnxruntime_at_every_shape_with_one_package(name):
         assert list(ours) == list(reference)
         for output, expected in reference.items():
             assert ours[output].shape == expected.shape, (output, shapes)
+            assert ours[output].dtype == expected.dtype, (output, shapes)
             np.testing.assert_allclose(ours[output], expected, rtol=1e-4, atol=1e-4,
                                        err_msg=f"{name} {output} at {shapes}")
 
@@ -35,8 +43,22 @@ def test_gated_model_takes_both_branches():
     assert gates == {True, False}
 
 
-def test_zoo_names_are_unique_and_dynamic_models_have_several_shapes():
+def test_zoo_lists_unique_names_and_dynamic_models_have_several_shape_sets():
     assert len(set(zoo.names())) == len(zoo.names())
     with pytest.raises(KeyError, match="the zoo has"):
         zoo.get("no_such_model")
-    assert all(zoo.get(name).dynamic for name in zoo.names())
+    for name in zoo.names():
+        entry = zoo.get(name)
+        assert entry.name == name
+        assert len(entry.shape_sets) >= (2 if entry.dynamic else 1)
+
+
+def test_a_dynamic_entry_with_one_shape_set_is_rejected():
+    with pytest.raises(ValueError, match="fewer than two shape sets"):
+        zoo.ZooModel(name="m", build=lambda: None, shape_sets=[{"x": (1,)}], feeds=None,
+                     dynamic=True, description="")
+
+
+def test_zoo_models_are_built_the_same_every_time():
+    entry = zoo.get("resnet_style")
+    assert entry.build().SerializeToString() == entry.build().SerializeToString()

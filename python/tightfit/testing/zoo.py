@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -25,16 +25,25 @@ OPSET = 17
 
 @dataclass(frozen=True)
 class ZooModel:
+    """A zoo entry: how to build the model and the input shapes it is checked and timed at.
+
+    `feeds` makes inputs from a shape set where random normal floats would not exercise the model
+    (integer token ids, both branches of an `If`); None means random normal floats suffice.
+    A dynamic model has at least two shape sets, all served by one compiled package.
+    """
+
     name: str
-    description: str
     build: Callable[[], onnx.ModelProto]
     shape_sets: list[dict[str, tuple[int, ...]]]
-    feeds: Callable[[dict[str, tuple[int, ...]]], dict[str, np.ndarray]] | None = None
-    needs_torch: bool = False
-    dynamic: bool = field(init=False)
+    feeds: Callable[[dict[str, tuple[int, ...]]], dict[str, np.ndarray]] | None
+    dynamic: bool
+    description: str
 
     def __post_init__(self):
-        object.__setattr__(self, "dynamic", len(self.shape_sets) > 1)
+        if self.dynamic and len(self.shape_sets) < 2:
+            raise ValueError(f"zoo model {self.name} is dynamic but has fewer than two shape sets")
+        if not self.shape_sets:
+            raise ValueError(f"zoo model {self.name} has no shape set")
 
 
 # --- models built with onnx.helper ---------------------------------------------------------------
@@ -311,35 +320,44 @@ def speech_encoder() -> onnx.ModelProto:
 # --- the registry ----------------------------------------------------------------------------------
 
 _MODELS = [
-    ZooModel("resnet_style", "ResNet-style CNN, dynamic batch", resnet_style,
-             [{"image": (1, 3, 32, 32)}, {"image": (4, 3, 32, 32)}]),
-    ZooModel("mobilenet_v2_style", "MobileNetV2-style inverted residual blocks, dynamic batch/H/W",
-             convnet_dynamic, [{"image": (1, 3, 64, 64)}, {"image": (2, 3, 96, 80)}]),
-    ZooModel("conv_dynamic_hw", "fully convolutional net, dynamic H/W", conv_dynamic_hw,
-             [{"image": (1, 3, 32, 32)}, {"image": (1, 3, 45, 61)}, {"image": (1, 3, 64, 20)}]),
-    ZooModel("gated_skip_block", "If on a data-dependent gate (both branches exercised)",
-             gated_skip_block, [{"x": (2, 8, 16, 16)}, {"x": (1, 8, 16, 16)}, {"x": (3, 8, 16, 16)}],
-             feeds=_gated_feeds),
-    ZooModel("nonzero_gather", "NonZero feeding Gather/MatMul: data-dependent row count",
-             nonzero_gather, [{"x": (4, 12), "table": (12, 16)}, {"x": (9, 12), "table": (12, 16)}]),
-    ZooModel("topk_computed_k", "TopK with k computed from the input shape", topk_computed_k,
-             [{"scores": (2, 16)}, {"scores": (3, 40)}]),
-    ZooModel("transformer_encoder", "PyTorch transformer encoder, dynamic batch and sequence",
-             transformer_encoder, [{"tokens": (1, 5)}, {"tokens": (3, 16)}, {"tokens": (2, 33)}],
-             feeds=_token_feeds, needs_torch=True),
-    ZooModel("detector_fpn", "PyTorch detector neck: interpolate to a computed size, concat",
-             detector_fpn, [{"image": (1, 3, 32, 48)}, {"image": (2, 3, 64, 40)}], needs_torch=True),
-    ZooModel("speech_encoder", "PyTorch conv1d subsampling + attention, dynamic batch and time",
-             speech_encoder, [{"features": (1, 40, 40)}, {"features": (2, 77, 40)}], needs_torch=True),
+    ZooModel(name="resnet_style", build=resnet_style, feeds=None, dynamic=True,
+             shape_sets=[{"image": (1, 3, 32, 32)}, {"image": (4, 3, 32, 32)}],
+             description="ResNet-style CNN, dynamic batch"),
+    ZooModel(name="mobilenet_v2_style", build=convnet_dynamic, feeds=None, dynamic=True,
+             shape_sets=[{"image": (1, 3, 64, 64)}, {"image": (2, 3, 96, 80)}],
+             description="MobileNetV2-style inverted residual blocks, dynamic batch/H/W"),
+    ZooModel(name="conv_dynamic_hw", build=conv_dynamic_hw, feeds=None, dynamic=True,
+             shape_sets=[{"image": (1, 3, 32, 32)}, {"image": (1, 3, 45, 61)}, {"image": (1, 3, 64, 20)}],
+             description="fully convolutional net, dynamic H/W"),
+    ZooModel(name="gated_skip_block", build=gated_skip_block, feeds=_gated_feeds, dynamic=True,
+             shape_sets=[{"x": (2, 8, 16, 16)}, {"x": (1, 8, 16, 16)}, {"x": (3, 8, 16, 16)}],
+             description="If on a data-dependent gate (both branches exercised)"),
+    ZooModel(name="nonzero_gather", build=nonzero_gather, feeds=None, dynamic=True,
+             shape_sets=[{"x": (4, 12), "table": (12, 16)}, {"x": (9, 12), "table": (12, 16)}],
+             description="NonZero feeding Gather/MatMul: data-dependent row count"),
+    ZooModel(name="topk_computed_k", build=topk_computed_k, feeds=None, dynamic=True,
+             shape_sets=[{"scores": (2, 16)}, {"scores": (3, 40)}],
+             description="TopK with k computed from the input shape"),
+    ZooModel(name="transformer_encoder", build=transformer_encoder, feeds=_token_feeds, dynamic=True,
+             shape_sets=[{"tokens": (1, 5)}, {"tokens": (3, 16)}, {"tokens": (2, 33)}],
+             description="PyTorch transformer encoder, dynamic batch and sequence"),
+    ZooModel(name="detector_fpn", build=detector_fpn, feeds=None, dynamic=True,
+             shape_sets=[{"image": (1, 3, 32, 48)}, {"image": (2, 3, 64, 40)}],
+             description="PyTorch detector neck: interpolate to a computed size, concat"),
+    ZooModel(name="speech_encoder", build=speech_encoder, feeds=None, dynamic=True,
+             shape_sets=[{"features": (1, 40, 40)}, {"features": (2, 77, 40)}],
+             description="PyTorch conv1d subsampling + attention, dynamic batch and time"),
 ]
 _BY_NAME = {model.name: model for model in _MODELS}
 
 
 def names() -> list[str]:
+    """The zoo's model names, in a fixed order."""
     return [model.name for model in _MODELS]
 
 
 def get(name: str) -> ZooModel:
+    """The zoo entry called `name`; KeyError listing the names if there is none."""
     if name not in _BY_NAME:
         raise KeyError(f"no zoo model {name!r}; the zoo has {', '.join(names())}")
     return _BY_NAME[name]
