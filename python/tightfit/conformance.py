@@ -4,8 +4,12 @@
 `run_node_tests` runs the node cases itself so that each case is isolated and classified:
 - pass: outputs equal onnx's reference (onnx's comparison and per-case tolerances);
 - fail: wrong numbers, a conversion or compile error, a crash or a time-out;
-- not-supported: an op tightfit does not import, or inputs that are not tensors (sequences,
-  optionals).
+- not-supported: an op tightfit does not import, inputs or outputs that are not tensors
+  (sequences, optionals), or a failing case whose model uses an element type outside
+  SUPPORTED_DTYPES (strings, complex numbers, 2/4/6/8-bit floats and integers).
+Inputs are normalized as onnx's runner does: TensorProto values and numpy scalars become arrays.
+A case counts under the op its test exercises: the op of its single node, or for an `_expanded`
+case (the op's function body inlined) the op of the case it expands.
 Cases run in worker processes, fed one case at a time; a worker that crashes (TVM can abort the
 process) or takes longer than the time limit is replaced and the case counted as failed. The same
 runner measures stock TVM 0.27 (`from_onnx` + `tvm.compile`, engine "tvm"), so the comparison is
@@ -34,6 +38,10 @@ from onnx.backend.base import Backend, BackendRep
 
 PASS, FAIL, NOT_SUPPORTED = "pass", "fail", "not-supported"
 CASE_TIMEOUT_S = 30  # a case still compiling after this counts as failed
+# Element types tightfit compiles for; others (float8, int4, strings...) are outside its scope.
+SUPPORTED_DTYPES = frozenset(
+    ["float16", "bfloat16", "float32", "float64", "bool", "int8", "int16", "int32", "int64",
+     "uint8", "uint16", "uint32", "uint64"])
 
 
 class TightfitRep(BackendRep):
@@ -83,9 +91,40 @@ def node_cases() -> dict:
         return {case.name: case for case in load_model_tests(kind="node")}
 
 
-def case_op(case) -> str:
-    ops = [node.op_type for node in case.model.graph.node if node.op_type != "Constant"]
+def case_op(name: str) -> str:
+    """The ONNX op a case tests (an `_expanded` case tests the op it expands)."""
+    cases = node_cases()
+    base = re.sub(r"_expanded.*$", "", name)
+    ops = [node.op_type for node in cases.get(base, cases[name]).model.graph.node
+           if node.op_type != "Constant"]
     return ops[-1] if ops else "Constant"
+
+
+def as_array(value):
+    """A case's input or output as onnx's runner hands it over: an array, or None when it is a
+    sequence, map or optional."""
+    if isinstance(value, onnx.TensorProto):
+        return onnx.numpy_helper.to_array(value)
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value)
+    return None
+
+
+def unsupported_dtypes(model: onnx.ModelProto) -> list[str]:
+    """Element types outside SUPPORTED_DTYPES that the model's tensors or casts use."""
+    from tvm.relax.frontend.onnx.onnx_frontend import get_type
+
+    graph = model.graph
+    elem_types = {value.type.tensor_type.elem_type for value in [*graph.input, *graph.output]
+                  if value.type.HasField("tensor_type")}
+    elem_types |= {tensor.data_type for tensor in graph.initializer}
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.name in ("to", "dtype", "output_dtype") and attribute.type == onnx.AttributeProto.INT:
+                elem_types.add(attribute.i)
+            elif attribute.type == onnx.AttributeProto.TENSOR:
+                elem_types.add(attribute.t.data_type)
+    return sorted({get_type(t) for t in elem_types if t} - SUPPORTED_DTYPES)
 
 
 def run_case(case, engine: str) -> tuple[str, str]:
@@ -94,21 +133,23 @@ def run_case(case, engine: str) -> tuple[str, str]:
 
     from .errors import UnsupportedOperatorError
 
-    for inputs, _ in case.data_sets:
-        if not all(isinstance(value, np.ndarray) for value in inputs):
-            return NOT_SUPPORTED, "inputs are sequences or optionals"
+    data_sets = [([as_array(value) for value in inputs], [as_array(value) for value in expected])
+                 for inputs, expected in case.data_sets]
+    for inputs, expected in data_sets:
+        if any(value is None for value in inputs + expected):
+            return NOT_SUPPORTED, "inputs or outputs are sequences or optionals"
     try:
         run = _prepare(case.model, engine)
-        for inputs, expected in case.data_sets:
+        for inputs, expected in data_sets:
             outputs = run(inputs)
             Runner.assert_similar_outputs(expected, outputs, rtol=case.rtol, atol=case.atol)
     except UnsupportedOperatorError as err:
         return NOT_SUPPORTED, str(err)
-    except AssertionError as err:
-        return FAIL, "wrong output: " + _one_line(err)
     except Exception as err:  # every other error is a failure of this engine on this case
         if type(err).__name__ == "OpNotImplemented":
             return NOT_SUPPORTED, _one_line(err)
+        if isinstance(err, AssertionError):
+            return FAIL, "wrong output: " + _one_line(err)
         return FAIL, f"{type(err).__name__}: {_one_line(err)}"
     return PASS, ""
 
@@ -143,7 +184,7 @@ def run_node_tests(engine: str = "tightfit", pattern: str | None = None, jobs: i
     cases = node_cases()
     selected = names if names is not None else [
         name for name in sorted(cases) if pattern is None or re.search(pattern, name)]
-    ops = {name: case_op(cases[name]) for name in selected}
+    ops = {name: case_op(name) for name in selected}
     results: list[CaseResult] = []
     pending = list(reversed(selected))
     workers = [_Worker(engine) for _ in range(max(1, min(jobs, len(selected))))]
@@ -160,6 +201,9 @@ def run_node_tests(engine: str = "tightfit", pattern: str | None = None, jobs: i
                 finished = worker.poll()
                 if finished is not None:
                     name, status, reason, seconds = finished
+                    exotic = unsupported_dtypes(cases[name].model) if status == FAIL else []
+                    if exotic:  # failed, crashed or timed out on a type outside tightfit's scope
+                        status, reason = NOT_SUPPORTED, f"uses element types {', '.join(exotic)}: {reason}"
                     results.append(CaseResult(name, ops[name], status, reason, round(seconds, 3)))
                     bar.update(1)
     finally:
