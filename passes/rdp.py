@@ -153,6 +153,9 @@ def analyze(func: relax.Function) -> RDPResult:
         for var in node.inputs:
             users.setdefault(var, []).append(node)
 
+    def scope_of(var) -> tuple:
+        return producer[var].scope if var in producer else ()
+
     queue = deque(nodes)
     queued = set(node.order for node in nodes)
     visits = 0
@@ -164,9 +167,16 @@ def analyze(func: relax.Function) -> RDPResult:
             queued.add(node.order)
             queue.append(node)
 
-    def update(var, fact: Fact, where: str) -> None:
+    def update(var, fact: Fact, node: Node) -> None:
+        # facts derived inside an If branch hold only in runs that take it: they may refine what
+        # is bound in that branch (or deeper), never what is bound outside it
+        if node.scope != scope_of(var)[:len(node.scope)]:
+            return
         old = facts.get(var, UNDEF_FACT)
-        new = symbols.refine(old, fact, where)
+        # what is known of `var` holds in the runs that reach it: an equality found by combining
+        # two such facts may only solve symbols bound where `var` is
+        symbols.derivation_scope = scope_of(var)
+        new = symbols.refine(old, fact, node.var.name)
         if symbols.same_fact(old, new):
             return
         facts[var] = new
@@ -179,10 +189,11 @@ def analyze(func: relax.Function) -> RDPResult:
         node = queue.popleft()
         queued.discard(node.order)
         visits += 1
-        update(node.var, _forward(node, env), node.var.name)
+        symbols.derivation_scope = node.scope  # for the solving done inside transfer functions
+        update(node.var, _forward(node, env), node)
         for var, fact in _backward(node, env):
             if var in facts or var in producer:
-                update(var, fact, node.var.name)
+                update(var, fact, node)
         if symbols.revision != revision:
             # a cut symbol was solved: every fact may simplify, every binding may learn more
             revision = symbols.revision

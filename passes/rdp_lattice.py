@@ -118,6 +118,7 @@ class SymbolTable:
     solved: dict = field(default_factory=dict)  # cut symbol -> expression
     equalities: list = field(default_factory=list)  # (lhs, rhs, where) kept, not solved
     revision: int = 0  # bumped whenever `solved` grows: every fact may simplify further
+    derivation_scope: tuple = ()  # the If branches around the binding whose facts are derived now
 
     def __post_init__(self):
         self.analyzer = tvm.sym.Analyzer()
@@ -215,6 +216,11 @@ class SymbolTable:
     def _solve(self, a, b, where: str) -> None:
         for symbol, other in ((a, b), (b, a)):
             if isinstance(symbol, tirx.Var) and self.is_cut(symbol):
+                # a fact derived inside an If branch holds only in runs that take it: it may
+                # solve a symbol bound in that branch, never one bound outside
+                bound_in = self.definition[symbol][1]
+                if bound_in[:len(self.derivation_scope)] != self.derivation_scope:
+                    continue
                 if isinstance(other, tirx.Var) and self.is_cut(other):
                     # both bound at run time: express the later one by the earlier one
                     if self.definition[other][0] > self.definition[symbol][0]:
@@ -226,6 +232,8 @@ class SymbolTable:
                 return
         if isinstance(a, tirx.IntImm) and isinstance(b, tirx.IntImm):
             return  # a contradiction: no run gets here; the first fact is kept
+        if self.derivation_scope:
+            return  # holds only in the runs that take some If branch: not worth stating
         if not any(self.equal(a, x) and self.equal(b, y) or self.equal(a, y) and self.equal(b, x)
                    for x, y, _ in self.equalities):
             self.equalities.append((a, b, where))
