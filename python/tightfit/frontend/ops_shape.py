@@ -28,7 +28,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
-from .shape_values import constant_value, known_ints, shape_values
+from .shape_values import constant_value, known_ints, same_dims_as, shape_values
 
 # Slice bounds past this are "to the end": symbolic shape arithmetic on INT64_MAX overflows.
 _SLICE_BOUND = 2**31 - 1
@@ -127,7 +127,14 @@ class Reshape(onnx_frontend.Reshape):
     @classmethod
     def _impl_v13(cls, bb, inputs, attr, params):
         data, target = inputs[0], get_constant(inputs[1], params)
-        input_dims = None if isinstance(data, relax.ShapeExpr) else _input_dims(data)
+        if is_shape_value(data):
+            target_values = shape_values(bb, target)
+            if target_values is not None and len(target_values) == 1:
+                # A shape (or a scalar of one) flattened stays a shape: [n] for the dynamo
+                # exporter's `Reshape(n, [-1])` before a Concat of shape pieces.
+                return relax.ShapeExpr(shape_values(bb, data))
+            data = int64_tensor(bb, data)
+        input_dims = _input_dims(data)
         if isinstance(target, tvm.ir.GenericConst) or input_dims is None:
             return super()._impl_v13(bb, inputs, attr, params)
         values = shape_values(bb, target)
@@ -135,7 +142,8 @@ class Reshape(onnx_frontend.Reshape):
             return super()._impl_v13(bb, inputs, attr, params)
         dims = _reshape_dims(input_dims, values, bool(attr.get("allowzero", 0)))
         if known_ints(dims):
-            return relax.op.reshape(data, relax.ShapeExpr(dims))
+            reshaped = relax.op.reshape(data, relax.ShapeExpr(dims))
+            return with_dims(bb, reshaped, same_dims_as(dims, input_dims), "reshape_dim")
         return with_dims(bb, relax.op.reshape(data, runtime_shape(bb, _resolve_reshape_target(
             bb, data, int64_tensor(bb, target), len(values), bool(attr.get("allowzero", 0))))),
             dims, "reshape_dim")

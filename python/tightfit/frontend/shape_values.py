@@ -49,6 +49,44 @@ def constant_value(element) -> int | None:
     return int(element.value) if isinstance(element, tirx.IntImm) else None
 
 
+def same_dims_as(dims: list, pool: list) -> list:
+    """`dims`, each symbolic one replaced by an expression of `pool` that has the same value.
+
+    Traced arithmetic and Relax's shape inference write one dim in different forms: ONNX's integer
+    Div truncates (`T.Div(t - 1, 4) + 1`) where a strided conv's output floors (`(t - 1) // 4 + 1`);
+    they agree for every positive `t`, which the analyzer cannot prove. Equality is checked at
+    sample values of the dims (all at least 1), so callers must bind the result with a
+    `match_cast`, which checks it when the model runs.
+    """
+    candidates = [dim for dim in pool if dim is not None and not isinstance(dim, tirx.IntImm)]
+    return [_same_as_one_of(dim, candidates) for dim in dims]
+
+
+def _same_as_one_of(dim, candidates: list):
+    if dim is None or isinstance(dim, tirx.IntImm):
+        return dim
+    for candidate in candidates:
+        if _ANALYZER.can_prove_equal(dim, candidate) or _agree_at_samples(dim, candidate):
+            return candidate
+    return dim
+
+
+_SAMPLE_DIMS = (1, 2, 3, 5, 8, 13, 64, 127)
+
+
+def _agree_at_samples(a, b) -> bool:
+    symbols = sorted({*tirx.analysis.undefined_vars(a), *tirx.analysis.undefined_vars(b)},
+                     key=lambda var: var.name)
+    for sample in range(len(_SAMPLE_DIMS)):
+        analyzer = tvm.sym.Analyzer()
+        for index, symbol in enumerate(symbols):
+            analyzer.bind(symbol, tirx.IntImm(dtype_of(symbol), _SAMPLE_DIMS[(sample + 3 * index) % len(_SAMPLE_DIMS)]))
+        difference = analyzer.simplify(a - b)
+        if not isinstance(difference, tirx.IntImm) or difference.value != 0:
+            return False
+    return True
+
+
 def _trace(bb, value, depth: int) -> list | None:
     if depth > 64:  # shape arithmetic is shallow; deeper chains are not worth following
         return _unknown_elements(value)
