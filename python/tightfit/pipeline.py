@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .errors import CompilationError
-from .passes import PreTransformWeights
+from .passes import ClassifyDynamism, PreTransformWeights, RankDimensionPropagation
 from .schedules import FallbackCPUSchedule
 from .weight_file import WeightTensor
 from .target import CompileTarget
@@ -34,10 +34,13 @@ class PipelineOptions:
 def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) -> list[tvm.transform.Pass]:
     del target  # every pass so far reads the target from the context run_pipeline sets
     return [
-        # 1. normalize the imported graph (models with `If` import without dataflow blocks)
+        # 1. normalize the imported graph (models with `If` import without dataflow blocks), then
+        #    understand it: dynamism classes and Rank and Dimension Propagation (SoD2 §3, §4.1)
         tvm.transform.Sequential([relax.transform.ConvertToDataflow()], name="ConvertToDataflow"),
         relax.transform.DecomposeOpsForInference(),
         relax.transform.FoldConstant(),
+        ClassifyDynamism(),
+        RankDimensionPropagation(),
         # 2. weights: transforms computed once, offline (FlexNN pre-transformation)
         PreTransformWeights(),
         # 3. lower to TIR and fuse (sorts, scans and sampling to their library kernels first)
