@@ -3,9 +3,10 @@
 Each entry builds an `onnx.ModelProto` with random weights (fixed seed; nothing is downloaded) and
 names the input shapes it is tested and benchmarked at. Models built with `onnx.helper` cover
 static and dynamic CNNs, an `If` and data-dependent shapes; models built in PyTorch and exported
-with `torch.onnx.export` (the TorchScript exporter, `dynamo=False`, with `dynamic_axes`) carry the
-patterns most users' files have: attention scaling constants, shape arithmetic feeding Reshape,
-Resize to a size taken from another tensor. Torch is imported only when a torch model is built.
+with `torch.onnx.export` with `dynamic_axes` carry the patterns most users' files have: attention
+scaling constants, shape arithmetic feeding Reshape, Resize to a size taken from another tensor.
+The PyTorch models are exported by both of torch's exporters, TorchScript (`dynamo=False`) and
+dynamo, whose graphs differ (nn.TransformerEncoder by dynamo only: TorchScript cannot). Torch is imported only when a torch model is built.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import onnx
@@ -21,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..examples.make_examples import convnet_dynamic
 
 OPSET = 17
+DYNAMO_OPSET = 18  # the dynamo exporter's own default
 
 
 @dataclass(frozen=True)
@@ -193,11 +196,22 @@ def topk_computed_k() -> onnx.ModelProto:
 # --- models exported from PyTorch ------------------------------------------------------------------
 
 def _export(module, example_inputs: tuple, input_names: list[str], output_names: list[str],
-            dynamic_axes: dict) -> onnx.ModelProto:
+            dynamic_axes: dict, dynamo: bool) -> onnx.ModelProto:
+    """`module` exported to ONNX in memory, by the TorchScript exporter or by dynamo (torch.export).
+
+    The two write different graphs for the same model: TorchScript folds shape arithmetic into
+    Shape/Gather/Concat with Constant nodes, dynamo computes shapes with int64 tensor ops over
+    initializers and writes `Shape(start, end)`, `Reshape(allowzero=1)`, opset 18.
+    """
     import torch
 
-    buffer = io.BytesIO()
     with torch.no_grad():
+        if dynamo:
+            program = torch.onnx.export(module.eval(), example_inputs, input_names=input_names,
+                                        output_names=output_names, dynamic_axes=dynamic_axes,
+                                        opset_version=DYNAMO_OPSET, dynamo=True, verbose=False)
+            return program.model_proto
+        buffer = io.BytesIO()
         torch.onnx.export(module.eval(), example_inputs, buffer, input_names=input_names,
                           output_names=output_names, dynamic_axes=dynamic_axes,
                           opset_version=OPSET, dynamo=False)
@@ -225,7 +239,7 @@ def _torch_attention(width: int, heads: int):
     return Attention()
 
 
-def transformer_encoder() -> onnx.ModelProto:
+def transformer_encoder(dynamo: bool = False) -> onnx.ModelProto:
     """Two pre-norm encoder layers (multi-head self-attention, GELU MLP) over token embeddings;
     batch and sequence length are dynamic."""
     import torch
@@ -255,14 +269,14 @@ def transformer_encoder() -> onnx.ModelProto:
 
     tokens = torch.randint(0, 100, (2, 7))
     return _export(Encoder(), (tokens,), ["tokens"], ["hidden"],
-                   {"tokens": {0: "batch", 1: "sequence"}, "hidden": {0: "batch", 1: "sequence"}})
+                   {"tokens": {0: "batch", 1: "sequence"}, "hidden": {0: "batch", 1: "sequence"}}, dynamo)
 
 
 def _token_feeds(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     return {"tokens": np.random.default_rng(sum(shapes["tokens"])).integers(0, 100, shapes["tokens"])}
 
 
-def detector_fpn() -> onnx.ModelProto:
+def detector_fpn(dynamo: bool = False) -> onnx.ModelProto:
     """A detector-style neck: a strided backbone, the coarse map upsampled to the size of the fine
     one (F.interpolate with size= taken from a tensor's shape) and by scale factor 2, concatenated
     and fed to a per-pixel head. Height and width are dynamic (multiples of 4)."""
@@ -289,10 +303,11 @@ def detector_fpn() -> onnx.ModelProto:
 
     image = torch.randn(1, 3, 32, 48)
     return _export(Neck(), (image,), ["image"], ["boxes"],
-                   {"image": {0: "batch", 2: "height", 3: "width"}, "boxes": {0: "batch", 2: "out_h", 3: "out_w"}})
+                   {"image": {0: "batch", 2: "height", 3: "width"}, "boxes": {0: "batch", 2: "out_h", 3: "out_w"}},
+                   dynamo)
 
 
-def speech_encoder() -> onnx.ModelProto:
+def speech_encoder(dynamo: bool = False) -> onnx.ModelProto:
     """A speech-style encoder: two stride-2 conv1d layers subsample 40-bin features over time, then
     one self-attention layer with a residual; batch and time are dynamic."""
     import torch
@@ -314,7 +329,21 @@ def speech_encoder() -> onnx.ModelProto:
 
     features = torch.randn(2, 50, 40)
     return _export(Encoder(), (features,), ["features"], ["encoded"],
-                   {"features": {0: "batch", 1: "time"}, "encoded": {0: "batch", 1: "frames"}})
+                   {"features": {0: "batch", 1: "time"}, "encoded": {0: "batch", 1: "frames"}}, dynamo)
+
+
+def torch_transformer_layers() -> onnx.ModelProto:
+    """PyTorch's own nn.TransformerEncoder (two post-norm layers, batch first), which only the
+    dynamo exporter can export in eval mode (TorchScript has no ONNX form of its fused
+    aten::_transformer_encoder_layer_fwd); batch and sequence length are dynamic."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(2, 7, 32)
+    return _export(encoder, (x,), ["x"], ["y"], {"x": {0: "batch", 1: "sequence"}}, dynamo=True)
 
 
 # --- the registry ----------------------------------------------------------------------------------
@@ -347,6 +376,20 @@ _MODELS = [
     ZooModel(name="speech_encoder", build=speech_encoder, feeds=None, dynamic=True,
              shape_sets=[{"features": (1, 40, 40)}, {"features": (2, 77, 40)}],
              description="PyTorch conv1d subsampling + attention, dynamic batch and time"),
+    # The same PyTorch models through the dynamo exporter, whose graphs differ (see _export).
+    ZooModel(name="transformer_encoder_dynamo", build=partial(transformer_encoder, dynamo=True),
+             feeds=_token_feeds, dynamic=True,
+             shape_sets=[{"tokens": (1, 5)}, {"tokens": (3, 16)}],
+             description="transformer_encoder exported by dynamo"),
+    ZooModel(name="detector_fpn_dynamo", build=partial(detector_fpn, dynamo=True), feeds=None,
+             dynamic=True, shape_sets=[{"image": (1, 3, 32, 48)}, {"image": (2, 3, 64, 40)}],
+             description="detector_fpn exported by dynamo"),
+    ZooModel(name="speech_encoder_dynamo", build=partial(speech_encoder, dynamo=True), feeds=None,
+             dynamic=True, shape_sets=[{"features": (1, 40, 40)}, {"features": (2, 77, 40)}],
+             description="speech_encoder exported by dynamo: frame count by truncating int Div"),
+    ZooModel(name="torch_transformer_layers", build=torch_transformer_layers, feeds=None,
+             dynamic=True, shape_sets=[{"x": (1, 5, 32)}, {"x": (3, 12, 32)}],
+             description="PyTorch nn.TransformerEncoder (fused MHA) exported by dynamo"),
 ]
 _BY_NAME = {model.name: model for model in _MODELS}
 
