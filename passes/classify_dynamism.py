@@ -216,8 +216,9 @@ def known_from_types(symbols: set) -> Callable[[relax.Expr], bool]:
         if isinstance(ty, relax.ShapeType):
             return ty.values is not None and over_inputs(ty.values)
         if isinstance(ty, tvm.ir.PrimType):
-            value = getattr(arg, "value", None)
-            return isinstance(arg, relax.PrimValue) and over_inputs([value])
+            # a scalar argument is itself a TIR expression (TVM 0.27 has no PrimValue wrapper);
+            # a Relax variable of scalar type holds a value computed at run time
+            return not isinstance(arg, relax.Var) and over_inputs([arg])
         return False
 
     return is_known
@@ -254,11 +255,26 @@ class _UniqueBindingNames(relax.PyExprMutator):
 
 
 def with_unique_binding_names(func: relax.Function, mod: tvm.IRModule) -> relax.Function:
+    """`func` with no two bindings, and no two symbols bound in its body, of the same name."""
     names = [binding.var.name for binding in iter_bindings(func)]
-    if len(names) == len(set(names)):
-        return func
-    renamed = _UniqueBindingNames(mod, {param.name for param in func.params}).visit_expr(func)
-    return renamed
+    if len(names) != len(set(names)):
+        func = _UniqueBindingNames(mod, {param.name for param in func.params}).visit_expr(func)
+    taken = {var.name for var in input_symbols(func)}
+    renamed = {}
+    for binding in iter_bindings(func):
+        if not isinstance(binding, relax.MatchCast):
+            continue
+        for var in relax.analysis.tir_vars_in_type(binding.ty):
+            if var in renamed or var in input_symbols(func):
+                continue
+            name, suffix = var.name, 0
+            while name in taken:
+                suffix += 1
+                name = f"{var.name}_{suffix}"
+            taken.add(name)
+            renamed[var] = var if name == var.name else tvm.tirx.Var(name, "int64")
+    renames = {var: new for var, new in renamed.items() if not new.same_as(var)}
+    return func.bind_symbolic_vars(renames) if renames else func
 
 
 def iter_bindings(func: relax.Function):
