@@ -9,9 +9,9 @@ TVM 0.27 does wrong and which models need the fix.
 
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
-from . import ops_reduce, ops_shape
+from . import ops_attention, ops_reduce, ops_shape
 
-CONVERTER_MODULES = [ops_shape, ops_reduce]
+CONVERTER_MODULES = [ops_shape, ops_reduce, ops_attention]
 
 CONVERTERS: dict[str, type[OnnxOpConverter]] = {}
 for _module in CONVERTER_MODULES:
