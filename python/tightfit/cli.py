@@ -85,6 +85,8 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect_cmd = commands.add_parser("inspect", parents=[common], help="show the pipeline and the imported model's ops")
     inspect_cmd.add_argument("model", help="the ONNX file")
     _add_target_options(inspect_cmd)
+    inspect_cmd.add_argument("--rdp", action="store_true",
+                             help="add each tensor's dynamism class and RDP value (before/after) and SoD2's summary")
     inspect_cmd.set_defaults(handler=_inspect)
     return parser
 
@@ -242,9 +244,16 @@ def _inspect(args) -> int:
         "", "pipeline:", format_table(pipeline), "", f"imported ops ({len(ops)}):",
         format_table(ops, ["binding", "op", "inputs", "output", "dtype"]),
     ])
-    _emit(args, {"pipeline": pipeline, "ops": ops,
-                 "inputs": [s.to_json() for s in imported.inputs],
-                 "outputs": [s.to_json() for s in imported.outputs]}, text)
+    data = {"pipeline": pipeline, "ops": ops,
+            "inputs": [s.to_json() for s in imported.inputs],
+            "outputs": [s.to_json() for s in imported.outputs]}
+    if args.rdp:
+        from .dynamism import format_report, rdp_report
+
+        report = rdp_report(imported)
+        data["rdp"] = report.to_json()
+        text += "\n\ndynamism classes and RDP (SoD2 §3, §4.1):\n" + format_report(report)
+    _emit(args, data, text)
     return 0
 
 
