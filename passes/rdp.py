@@ -84,8 +84,10 @@ class RDPResult:
 
     def equalities(self) -> list[str]:
         solved = [f"{var} == {describe_dim(self.symbols.normalize(var))}" for var in self.symbols.solved]
+        symbols = self.symbols
         kept = [f"{describe_dim(a)} == {describe_dim(b)} (required by {where})"
-                for a, b, where in self.symbols.equalities]
+                for a, b, where in symbols.equalities
+                if not symbols.equal(symbols.normalize(a), symbols.normalize(b))]  # not solved since
         return solved + kept
 
 
@@ -268,8 +270,11 @@ class _Tighten(relax.PyExprMutator):
     def _after(self, binding):
         if binding.var.name not in self.tighter:
             return
-        name, ty = self.tighter[binding.var.name]
         emitted = self.visit_expr(binding.var)
+        name, improve = self.tighter[binding.var.name]
+        ty = improve(emitted.ty)  # judged on the type re-inferred from the tightened inputs
+        if ty is None:
+            return
         fresh = (relax.DataflowVar if isinstance(emitted, relax.DataflowVar) else relax.Var)(name, ty)
         self.builder_.emit_normalized(relax.MatchCast(fresh, emitted, ty))
         self.set_var_remap(binding.var, fresh)
@@ -296,14 +301,15 @@ def _tighter_types(func: relax.Function, result: RDPResult) -> dict:
         if name not in nodes or name not in facts or name in only_cast:
             continue
         fact = symbols.renormalized(facts[name])
-        current = fact_from_type(binding.var.ty)
-        ty = _improved_type(current, fact, binding.var.ty, symbols, nodes[name].at, name)
-        if ty is not None:
-            new_name = f"{name}_rdp"
-            while new_name in taken:
-                new_name += "_"
-            taken.add(new_name)
-            tighter[name] = (new_name, ty)
+        if _improved_type(fact_from_type(binding.var.ty), fact, binding.var.ty, symbols,
+                          nodes[name].at, name) is None:
+            continue
+        new_name = f"{name}_rdp"
+        while new_name in taken:
+            new_name += "_"
+        taken.add(new_name)
+        tighter[name] = (new_name, lambda ty, fact=fact, at=nodes[name].at, name=name: _improved_type(
+            fact_from_type(ty), fact, ty, symbols, at, name))
     return tighter
 
 

@@ -425,6 +425,12 @@ def _value_array(call: relax.Call, name: str, env: Env) -> np.ndarray | None:
         if target == "bool":
             return _lift(lambda a: tirx.NE(a, int64(0)) if str(a.ty.dtype) != "bool" else a, 1)(arrays[0])
         return _lift(lambda a: tirx.Cast("int64", a) if str(a.ty.dtype) == "bool" else a, 1)(arrays[0])
+    if name == "relax.concat":  # its operands come as one tuple
+        fields = env.fact(args[0]).fields
+        pieces = [_array(field) for field in fields]
+        if not pieces or any(p is None for p in pieces):
+            return None
+        return np.concatenate(pieces, axis=int(attrs.axis) if attrs.axis is not None else 0)
     source = arrays[0] if arrays else None
     if source is None:
         return _generated_values(call, name, env)
@@ -461,11 +467,6 @@ def _value_array(call: relax.Call, name: str, env: Env) -> np.ndarray | None:
         for axis, begin, end, stride in zip(axes, begins, ends, strides):
             index[axis] = slice(begin, end, stride)
         return source[tuple(index)]
-    if name == "relax.concat":
-        pieces = [_array(env.fact(field)) for field in args[0].fields] if isinstance(args[0], relax.Tuple) else None
-        if pieces is None or any(p is None for p in pieces):
-            return None
-        return np.concatenate(pieces, axis=int(attrs.axis) if attrs.axis is not None else 0)
     if name in ("relax.sum", "relax.prod", "relax.max", "relax.min"):
         combine = {"relax.sum": lambda a, b: a + b, "relax.prod": lambda a, b: a * b,
                    "relax.max": tirx.max, "relax.min": tirx.min}[name]
