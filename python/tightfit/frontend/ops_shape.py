@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 import tvm
-from tvm import relax, tirx
+from tvm import relax, tirx, topi
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
@@ -203,19 +203,41 @@ class Expand(onnx_frontend.Expand):
         aligned_input = [one] * (rank - len(input_dims)) + input_dims
         aligned_target = [one] * (rank - len(values)) + values
         dims = [_broadcast_dim(d, t) for d, t in zip(aligned_input, aligned_target)]
-        if known_ints(dims):
-            return relax.op.broadcast_to(data, relax.ShapeExpr(dims))
-        # Run-time target: where it says 1, the input's dim (both right-aligned to `rank`).
-        target = int64_tensor(bb, target)
-        if len(values) < rank:
-            target = relax.op.concat([_int64([1] * (rank - len(values))), target])
-        input_shape = _shape_tensor(bb, data)
-        if len(input_dims) < rank:
-            input_shape = relax.op.concat([_int64([1] * (rank - len(input_dims))), input_shape])
-        target = bb.emit(target)
-        output_shape = relax.op.where(relax.op.equal(target, _int64(1)), input_shape, target)
-        expanded = relax.op.broadcast_to(data, runtime_shape(bb, bb.emit(output_shape)))
-        return with_dims(bb, expanded, dims, "expand_dim")
+        if not known_ints(dims):
+            # Run-time target: where it says 1, the input's dim (both right-aligned to `rank`).
+            target = int64_tensor(bb, target)
+            if len(values) < rank:
+                target = relax.op.concat([_int64([1] * (rank - len(values))), target])
+            input_shape = _shape_tensor(bb, data)
+            if len(input_dims) < rank:
+                input_shape = relax.op.concat([_int64([1] * (rank - len(input_dims))), input_shape])
+            target = bb.emit(target)
+            resolved = relax.op.where(relax.op.equal(target, _int64(1)), input_shape, target)
+            dims = [tirx.Var(f"expand_dim{axis}", "int64") if dim is None else dim
+                    for axis, dim in enumerate(dims)]
+            bb.match_cast(runtime_shape(bb, bb.emit(resolved)), relax.ShapeType(dims))
+        return relax.op.broadcast_to(_spread_symbolic_units(bb, data, dims), relax.ShapeExpr(dims))
+
+
+def _spread_symbolic_units(bb, data, output_dims: list) -> relax.Expr:
+    """`data` with each symbolic dim that may be 1 where the output's is not made the output's.
+
+    A broadcast kernel treats a symbolic dim as equal to the output dim, so an input dim that is
+    1 only at run time would be read out of bounds. Taking indices arange(out) mod dim along that
+    axis repeats a unit dim and leaves an equal one as it is. (The dim is read from the tensor's
+    shape: with the symbol passed as a scalar argument, FuseTIR fails on the fused kernel.)
+    """
+    input_dims = _input_dims(data)
+    offset = len(output_dims) - len(input_dims)
+    for axis, dim in enumerate(input_dims):
+        output_dim = output_dims[axis + offset]
+        if isinstance(dim, tirx.IntImm) or _ANALYZER.can_prove_equal(dim, output_dim):
+            continue
+        positions = relax.op.arange(tirx.IntImm("int64", 0), output_dim, tirx.IntImm("int64", 1), "int64")
+        length = relax.op.take(_shape_tensor(bb, data), _int64(axis), axis=0)
+        indices = bb.emit(relax.op.floor_mod(positions, length))
+        data = bb.emit(relax.op.take(data, indices, axis=axis))
+    return data
 
 
 def _broadcast_dim(input_dim, target_dim):
@@ -407,85 +429,205 @@ class TopK(onnx_frontend.TopK):
 
 
 class Resize(onnx_frontend.Resize):
-    """Resize to sizes, or by scales, computed in the graph or given at run time (1-D to 3-D
-    spatial, channels first; a 1-D resize is done as a 2-D one of height 1)."""
+    """ONNX Resize in every opset form: scales or sizes constant, computed in the graph or given at
+    run time; `axes` and `keep_aspect_ratio_policy` (opset 18); 1-D to 3-D spatial, channels first.
+
+    Where scales are given, ONNX maps output to input coordinates with the scale itself
+    (x_in = (x_out + 0.5) / scale - 0.5 for half_pixel), while TVM's resize derives the scale from
+    the integer output size, which differs whenever input * scale is not whole (shrinking 5 by
+    0.5). So such a resize passes TOPI the fractional target size input * scale and the floored
+    output shape separately. Run-time scales get the integer-size mapping (exact when the product
+    is whole). Antialiasing and half_pixel_symmetric are refused: TOPI has neither.
+    """
+
+    @classmethod
+    def _impl_v10(cls, bb, inputs, attr, params):
+        # Resize-10 is (X, scales) with Upsample's asymmetric mapping; onnxruntime's nearest rounds
+        # down when enlarging and up when shrinking at this opset.
+        scales = get_constant(inputs[1], params)
+        mode = attr.get("mode", b"nearest")
+        rounding = b"floor"
+        if mode == b"nearest":
+            factors = [_constant_float(v) for v in shape_values(bb, scales) or [None]]
+            if None in factors:
+                raise ValueError("Resize-10 in nearest mode needs constant scales")
+            if all(factor <= 1 for factor in factors) and any(factor < 1 for factor in factors):
+                rounding = b"ceil"
+            elif not all(factor >= 1 for factor in factors):
+                raise ValueError("Resize-10 nearest that enlarges some dims and shrinks others is "
+                                 "not supported")
+        resize_attr = {"mode": mode, "coordinate_transformation_mode": b"asymmetric",
+                       "nearest_mode": rounding}
+        return cls._impl_v11(bb, [inputs[0], None, scales, None], resize_attr, params)
+
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        data = inputs[0]
+        roi, scales, sizes = (_given_input(inputs, index, params) for index in (1, 2, 3))
+        input_dims = _input_dims(data)
+        if is_runtime_tensor(roi) or input_dims is None or not 3 <= len(input_dims) <= 5:
+            return super()._impl_v18(bb, inputs, attr, params)  # TVM's run-time roi path
+        if attr.get("antialias", 0):
+            raise ValueError("Resize with antialias=1 is not supported")
+        coordinate_mode = attr.get("coordinate_transformation_mode", b"half_pixel").decode("ascii")
+        if coordinate_mode == "half_pixel_symmetric":
+            raise ValueError("Resize with coordinate_transformation_mode half_pixel_symmetric is "
+                             "not supported")
+        rank = len(input_dims)
+        axes = [axis % rank for axis in attr.get("axes", range(rank))]
+        policy = attr.get("keep_aspect_ratio_policy", b"stretch").decode("ascii")
+        if sizes is not None:
+            output_dims, targets = _resize_to_sizes(bb, input_dims, axes, sizes, policy)
+        elif scales is not None:
+            output_dims, targets = _resize_by_scales(bb, input_dims, axes, scales)
+        else:
+            raise ValueError("Resize needs scales or sizes")
+        if any(dim is None for dim in output_dims):
+            output_dims = _bind_runtime_output_dims(bb, data, axes, scales, sizes, output_dims)
+            targets = [output if target is None else target for output, target in zip(output_dims, targets)]
+        for axis in (0, 1):
+            if not _ANALYZER.can_prove_equal(output_dims[axis], input_dims[axis]):
+                raise ValueError("Resize of the batch or channel dim is not supported")
+        return _emit_resize(bb, data, output_dims, targets, _spatial_roi(roi, axes, rank), attr)
 
     @classmethod
     def _impl_v18(cls, bb, inputs, attr, params):
-        data = inputs[0]
-        roi, scales, sizes = (_optional_input(inputs, i, params) for i in (1, 2, 3))
-        if not any(is_runtime_tensor(v) or is_shape_value(v) for v in (scales, sizes)):
-            return super()._impl_v18(bb, inputs, attr, params)
-        input_dims = _input_dims(data)
-        if input_dims is None or not 3 <= len(input_dims) <= 5 or is_runtime_tensor(roi):
-            raise ValueError("Resize to computed sizes or scales needs a 3-D to 5-D input of "
-                             "known rank and a constant roi")
-        spatial_rank = len(input_dims) - 2
-        if sizes is not None:
-            values = shape_values(bb, sizes)
-            dims = values[2:] if known_ints(values) else None
-            if dims is None:
-                size_tensor = relax.op.strided_slice(int64_tensor(bb, sizes), axes=[0], begin=[2],
-                                                     end=[len(input_dims)])
-        else:
-            values = shape_values(bb, scales)
-            dims = None
-            if values is not None and all(v is not None for v in values):
-                dims = [_ANALYZER.simplify(tirx.Cast("int64", tirx.floor(
-                    tirx.Cast("float32", dim) * tirx.Cast("float32", scale))))
-                    for dim, scale in zip(input_dims[2:], values[2:])]
-            else:
-                input_shape = bb.emit(relax.op.astype(_shape_tensor(bb, data), "float32"))
-                scaled = relax.op.floor(relax.op.multiply(input_shape, relax.op.astype(scales, "float32")))
-                size_tensor = relax.op.strided_slice(relax.op.astype(scaled, "int64"), axes=[0],
-                                                     begin=[2], end=[len(input_dims)])
-        if spatial_rank == 1:  # resized as a 4-D map of height 1: Relax has no resize1d op
-            data = relax.op.expand_dims(data, 2)
-            roi = _roi_with_unit_height(roi)
-            dims_2d = None if dims is None else [tirx.IntImm("int64", 1)] + dims
-            if dims is None:
-                size_tensor = relax.op.concat([_int64([1]), size_tensor])
-            size = relax.ShapeExpr(dims_2d) if dims_2d is not None else runtime_shape(bb, bb.emit(size_tensor))
-            resized = relax.op.squeeze(_resize(bb, bb.normalize(data), size, 2, roi, attr), [2])
-        else:
-            size = relax.ShapeExpr(dims) if dims is not None else runtime_shape(bb, bb.emit(size_tensor))
-            resized = _resize(bb, data, size, spatial_rank, roi, attr)
-        return with_dims(bb, resized, input_dims[:2] + (dims or [None] * spatial_rank), "resize_dim")
+        # Overrides TVM's converter, which the highest-version lookup would pick from opset 18 on.
+        return cls._impl_v11(bb, inputs, attr, params)
 
 
-def _roi_with_unit_height(roi):
-    """ONNX's roi of a 3-D (N, C, W) resize for the same resize done on (N, C, 1, W)."""
-    if not isinstance(roi, tvm.ir.GenericConst) or roi.value.numpy().size != 6:
+def _given_input(inputs, index: int, params):
+    """An optional input, None when absent or an empty tensor (exporters write both)."""
+    value = _optional_input(inputs, index, params)
+    if isinstance(value, tvm.ir.GenericConst) and value.value.numpy().size == 0:
         return None
-    starts, ends = roi.value.numpy().reshape(2, 3).tolist()
-    return relax.const(np.array(starts[:2] + [0.0] + starts[2:] + ends[:2] + [1.0] + ends[2:], "float32"))
+    return value
 
 
-def _resize(bb, data, size, spatial_rank: int, roi, attr) -> relax.Expr:
-    """Relax's resize2d/3d with ONNX Resize's attributes."""
+def _constant_float(element) -> float | None:
+    if isinstance(element, (tirx.FloatImm, tirx.IntImm)):
+        return float(element.value)
+    return None
+
+
+def _resize_to_sizes(bb, input_dims: list, axes: list, sizes, policy: str):
+    """Output dims and the target sizes TOPI maps coordinates with, for Resize given sizes."""
+    values = shape_values(bb, sizes)
+    if values is None or len(values) != len(axes):
+        raise ValueError("Resize sizes must be a vector with one element per resized axis")
+    output_dims = list(input_dims)
+    for axis, value in zip(axes, values):
+        output_dims[axis] = value
+    if policy == "stretch":
+        return output_dims, list(output_dims)
+    # ONNX: one scale for all axes, the smallest (not_larger) or largest (not_smaller) ratio;
+    # each output dim is input * scale rounded half up, coordinates mapped with that scale.
+    wanted = [constant_value(value) for value in values]
+    given = [constant_value(input_dims[axis]) for axis in axes]
+    if None in wanted + given:
+        raise ValueError(f"Resize keep_aspect_ratio_policy={policy} needs constant sizes and "
+                         "static input dims")
+    ratios = [np.float32(w) / np.float32(g) for w, g in zip(wanted, given)]
+    scale = min(ratios) if policy == "not_larger" else max(ratios)
+    targets = list(input_dims)
+    for axis, dim in zip(axes, given):
+        targets[axis] = tirx.FloatImm("float32", float(scale * np.float32(dim)))
+        output_dims[axis] = tirx.IntImm("int64", int(scale * np.float32(dim) + np.float32(0.5)))
+    return output_dims, targets
+
+
+def _resize_by_scales(bb, input_dims: list, axes: list, scales):
+    """Output dims (floor(input * scale), None where the scale is known only at run time) and
+    the fractional target sizes input * scale."""
+    values = shape_values(bb, scales)
+    if values is None or len(values) != len(axes):
+        raise ValueError("Resize scales must be a vector with one element per resized axis")
+    output_dims, targets = list(input_dims), list(input_dims)
+    for axis, scale in zip(axes, values):
+        dim = input_dims[axis]
+        factor = _constant_float(scale)
+        if factor == 1.0:
+            continue
+        if factor is not None and factor.is_integer():
+            output_dims[axis] = _ANALYZER.simplify(dim * int(factor))
+            # A symbolic whole target (h * 2) makes TVM 0.27's TIR lowering of a linear resize
+            # fail ("IntImm supports only int"); the same value as a float expression does not.
+            targets[axis] = output_dims[axis] if constant_value(dim) is not None else (
+                tirx.Cast("float32", dim) * tirx.FloatImm("float32", factor))
+        elif factor is not None and constant_value(dim) is not None:
+            product = np.float32(constant_value(dim)) * np.float32(factor)
+            output_dims[axis] = tirx.IntImm("int64", int(np.floor(product)))
+            targets[axis] = tirx.FloatImm("float32", float(product))
+        elif scale is not None:
+            product = tirx.Cast("float32", dim) * tirx.Cast("float32", scale)
+            output_dims[axis] = _ANALYZER.simplify(tirx.Cast("int64", tirx.floor(product)))
+            targets[axis] = product
+        else:
+            output_dims[axis] = targets[axis] = None
+    return output_dims, targets
+
+
+def _bind_runtime_output_dims(bb, data, axes: list, scales, sizes, output_dims: list) -> list:
+    """`output_dims` with each unknown dim a fresh symbol, bound by a match_cast of the output
+    shape computed at run time (checked there)."""
+    input_shape = _shape_tensor(bb, data)
+    axes_tensor = _int64(axes)
+    if sizes is not None:
+        shape = relax.op.scatter_elements(input_shape, axes_tensor, int64_tensor(bb, sizes))
+    else:
+        full_scales = relax.op.scatter_elements(relax.const(np.ones(len(output_dims), "float32")),
+                                                axes_tensor, relax.op.astype(scales, "float32"))
+        scaled = relax.op.floor(relax.op.multiply(relax.op.astype(input_shape, "float32"), full_scales))
+        shape = relax.op.astype(scaled, "int64")
+    # Batch and channel are never resized; the match_cast checks that the run-time values agree.
+    input_dims = _input_dims(data)
+    dims = [input_dims[axis] if axis < 2 and dim is None else dim for axis, dim in enumerate(output_dims)]
+    dims = [tirx.Var(f"resize_dim{axis}", "int64") if dim is None else dim for axis, dim in enumerate(dims)]
+    bb.match_cast(runtime_shape(bb, bb.emit(shape)), relax.ShapeType(dims))
+    return dims
+
+
+def _spatial_roi(roi, axes: list, rank: int) -> list:
+    """TOPI's roi (spatial starts, then spatial ends) from ONNX's (starts, ends over `axes`)."""
+    if not isinstance(roi, tvm.ir.GenericConst):  # only tf_crop_and_resize reads it
+        return [0.0] * (2 * (rank - 2))
+    starts, ends = [0.0] * rank, [1.0] * rank
+    values = roi.value.numpy().astype("float64").tolist()
+    for index, axis in enumerate(axes):
+        starts[axis], ends[axis] = values[index], values[len(axes) + index]
+    return starts[2:] + ends[2:]
+
+
+def _emit_resize(bb, data, output_dims: list, targets: list, roi: list, attr) -> relax.Expr:
+    """The resize: Relax's resize2d/3d op where the targets are the (integer) output sizes, TOPI's
+    compute with fractional targets and the output shape apart otherwise (and for 1-D, which
+    Relax has no op for)."""
+    spatial_rank = len(output_dims) - 2
     mode = attr.get("mode", b"nearest").decode("ascii")
-    roi_values = roi.value.numpy().tolist() if isinstance(roi, tvm.ir.GenericConst) else []
-    rank = spatial_rank + 2
-    spatial_roi = (roi_values[2:rank] + roi_values[rank + 2:] if len(roi_values) == 2 * rank
-                   else [0.0] * (2 * spatial_rank))
-    options = dict(
-        method="nearest_neighbor" if mode == "nearest" else mode,
-        coordinate_transformation_mode=attr.get("coordinate_transformation_mode", b"half_pixel").decode("ascii"),
-        rounding_method=attr.get("nearest_mode", b"round_prefer_floor").decode("ascii"),
-        extrapolation_value=attr.get("extrapolation_value", 0.0),
-        cubic_alpha=attr.get("cubic_coeff_a", -0.75),
-        cubic_exclude=attr.get("exclude_outside", 0),
-    )
-    if spatial_rank == 2:
-        return bb.emit(relax.op.image.resize2d(data, size=size, roi=spatial_roi, layout="NCHW", **options))
-    # resize3d's roi is (start_d, start_h, start_w, end_d, end_h, end_w) like ONNX's spatial roi.
-    return bb.emit(relax.op.image.resize3d(data, size=size, roi=spatial_roi, layout="NCDHW", **options))
+    method = "nearest_neighbor" if mode == "nearest" else mode
+    coordinate_mode = attr.get("coordinate_transformation_mode", b"half_pixel").decode("ascii")
+    rounding = attr.get("nearest_mode", b"round_prefer_floor").decode("ascii")
+    alpha, exclude = attr.get("cubic_coeff_a", -0.75), attr.get("exclude_outside", 0)
+    extrapolation = attr.get("extrapolation_value", 0.0)
+    whole_targets = all(target.ty.dtype == "int64" or str(target.ty.dtype).startswith("int")
+                        for target in targets)
+    if whole_targets and spatial_rank in (2, 3):
+        resize_op = relax.op.image.resize2d if spatial_rank == 2 else relax.op.image.resize3d
+        return bb.emit(resize_op(
+            data, size=relax.ShapeExpr(output_dims[2:]), roi=roi,
+            layout="NCHW" if spatial_rank == 2 else "NCDHW", method=method,
+            coordinate_transformation_mode=coordinate_mode, rounding_method=rounding,
+            cubic_alpha=alpha, cubic_exclude=exclude, extrapolation_value=extrapolation))
+    topi_resize = {1: topi.image.resize1d, 2: topi.image.resize2d, 3: topi.image.resize3d}[spatial_rank]
+    return bb.emit_te(topi_resize, data, roi, targets[2:], ["NCW", "NCHW", "NCDHW"][spatial_rank - 1],
+                      method, coordinate_mode, rounding, alpha, exclude, extrapolation,
+                      output_shape=output_dims)
 
 
 class Upsample(onnx_frontend.Upsample):
-    """Upsample (opsets 7-9; Resize's predecessor): each dim multiplied by its scale and floored,
-    nearest neighbour by floor of out / scale, linear with asymmetric coordinates. The scales are
-    an attribute up to opset 8 and an input from opset 9 (TVM 0.27 reads the attribute in both)."""
+    """Upsample (opsets 7-9, Resize's predecessor) as a Resize with asymmetric coordinates and
+    nearest rounding down. The scales are an attribute up to opset 8 and an input from opset 9
+    (TVM 0.27 reads the attribute in both, and needs static dims)."""
 
     @classmethod
     def _impl_v7(cls, bb, inputs, attr, params):
@@ -502,19 +644,7 @@ class Upsample(onnx_frontend.Upsample):
             raise ValueError(f"Upsample mode {mode!r} is not one of nearest, linear")
         resize_attr = {"mode": mode.encode(), "coordinate_transformation_mode": b"asymmetric",
                        "nearest_mode": b"floor"}
-        if isinstance(scales, tvm.ir.GenericConst):
-            input_dims = _input_dims(data)
-            scale_values = scales.value.numpy().tolist()
-            if input_dims is None or len(scale_values) != len(input_dims):
-                raise ValueError("Upsample needs an input of known rank and one scale per dim")
-            if scale_values[:2] != [1.0, 1.0]:
-                raise ValueError("Upsample of the batch or channel dim is not supported")
-            dims = [_ANALYZER.simplify(tirx.Cast("int64", tirx.floor(tirx.Cast("float32", dim) * scale)))
-                    if not isinstance(dim, tirx.IntImm) else tirx.IntImm("int64", int(dim.value * scale))
-                    for dim, scale in zip(input_dims[2:], scale_values[2:])]
-            return with_dims(bb, _resize(bb, data, relax.ShapeExpr(dims), len(dims), None, resize_attr),
-                             input_dims[:2] + dims, "upsample_dim")
-        return Resize._impl_v18(bb, [data, None, scales, None], resize_attr, params)
+        return Resize._impl_v11(bb, [data, None, scales, None], resize_attr, params)
 
 
 class Concat(onnx_frontend.Concat):
