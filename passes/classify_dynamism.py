@@ -100,10 +100,12 @@ ONNX_OP_DYNAMISM: dict[str, OpRule] = {
         "GridSample GroupNormalization HardSigmoid HardSwish Hardmax Identity "
         "InstanceNormalization IsInf IsNaN LRN LayerNormalization LeakyRelu Less LessOrEqual Log "
         "LogSoftmax LpPool MatMul MatMulInteger MatMulInteger16 Max MaxPool MaxRoiPool Mean "
-        "MeanVarianceNormalization Min Mish Mod Mul Neg Not Optional OptionalGetElement Or PRelu "
+        "MeanVarianceNormalization Min Mish Mod Mul Neg NegativeLogLikelihoodLoss Not Optional "
+        "OptionalGetElement Or PRelu "
         "Pow QuantizeLinear RMSNormalization Reciprocal Relu RoiAlign Round Scatter "
         "ScatterElements ScatterND Selu SequenceConstruct Shrink Sigmoid Sign Sin Sinh "
-        "SkipLayerNormalization Softmax Softplus Softsign SpaceToDepth Sqrt Sub Sum Tan Tanh "
+        "SkipLayerNormalization Softmax SoftmaxCrossEntropyLoss Softplus Softsign SpaceToDepth Sqrt "
+        "Sub Sum Tan Tanh "
         "ThresholdedRelu Transpose Trilu Where Xor",
         OpRule(ISDOS)),
     **_rules("Shape Size EyeLike Constant SequenceEmpty SequenceLength OptionalHasElement",
@@ -134,6 +136,7 @@ _RELAX_ISDOS = (
     "matmul max maximum mean median meshgrid min minimum mod multiply negative not_equal "
     "nn.adaptive_avg_pool1d nn.adaptive_avg_pool2d nn.adaptive_avg_pool3d nn.attention "
     "nn.attention_bias nn.avg_pool1d nn.avg_pool2d nn.avg_pool3d nn.batch_flatten nn.batch_norm "
+    "nn.cross_entropy_with_logits nn.nll_loss "
     "nn.conv1d nn.conv1d_transpose nn.conv2d nn.conv2d_transpose nn.conv3d nn.conv3d_transpose "
     "nn.dropout nn.gelu nn.gelu_tanh nn.group_norm nn.instance_norm nn.layer_norm nn.leakyrelu "
     "nn.log_softmax nn.max_pool1d nn.max_pool2d nn.max_pool3d nn.pad nn.pixel_shuffle nn.prelu "

@@ -145,10 +145,6 @@ def _lift(fn, arity: int):
     return np.frompyfunc(apply, arity, 1)
 
 
-def _truncdiv(a, b):
-    return tirx.truncdiv(a, b)
-
-
 def _integer_division(name: str, symbols: SymbolTable):
     """TVM's integer `divide`/`mod` truncate; on a non-negative dividend and a positive divisor
     that is floor division, which the simplifier handles far better."""
@@ -167,7 +163,7 @@ _BINARY_VALUE_OPS = {
     "relax.add": lambda a, b: a + b,
     "relax.subtract": lambda a, b: a - b,
     "relax.multiply": lambda a, b: a * b,
-    "relax.divide": _truncdiv,  # TVM's integer divide truncates (checked on the VM)
+    "relax.divide": tirx.truncdiv,  # TVM's integer divide truncates (checked on the VM)
     "relax.floor_divide": tirx.floordiv,
     "relax.mod": tirx.truncmod,
     "relax.floor_mod": tirx.floormod,
