@@ -142,11 +142,23 @@ class Reshape(onnx_frontend.Reshape):
             return super()._impl_v13(bb, inputs, attr, params)
         dims = _reshape_dims(input_dims, values, bool(attr.get("allowzero", 0)))
         if known_ints(dims):
-            reshaped = relax.op.reshape(data, relax.ShapeExpr(dims))
+            reshaped = relax.op.reshape(_with_element_count(bb, data, dims), relax.ShapeExpr(dims))
             return with_dims(bb, reshaped, same_dims_as(dims, input_dims), "reshape_dim")
         return with_dims(bb, relax.op.reshape(data, runtime_shape(bb, _resolve_reshape_target(
             bb, data, int64_tensor(bb, target), len(values), bool(attr.get("allowzero", 0))))),
             dims, "reshape_dim")
+
+
+def _with_element_count(bb, data, dims: list) -> relax.Expr:
+    """`data`, flattened and checked at run time to hold prod(dims) elements where import time
+    cannot prove it: Relax reshapes symbolic shapes without comparing element counts, and a
+    wrong target (which onnxruntime rejects) would read past the data."""
+    one = tirx.IntImm("int64", 1)
+    count, wanted = math.prod(_input_dims(data), start=one), math.prod(dims, start=one)
+    if _ANALYZER.can_prove_equal(count, wanted):
+        return data
+    flat = bb.emit(relax.op.reshape(data, relax.ShapeExpr([count])))
+    return bb.match_cast(flat, relax.TensorType([_ANALYZER.simplify(wanted)], data.ty.dtype))
 
 
 def _reshape_dims(input_dims: list, values: list, allowzero: bool) -> list:
@@ -432,11 +444,11 @@ class Resize(onnx_frontend.Resize):
     """ONNX Resize in every opset form: scales or sizes constant, computed in the graph or given at
     run time; `axes` and `keep_aspect_ratio_policy` (opset 18); 1-D to 3-D spatial, channels first.
 
-    Where scales are given, ONNX maps output to input coordinates with the scale itself
-    (x_in = (x_out + 0.5) / scale - 0.5 for half_pixel), while TVM's resize derives the scale from
-    the integer output size, which differs whenever input * scale is not whole (shrinking 5 by
-    0.5). So such a resize passes TOPI the fractional target size input * scale and the floored
-    output shape separately. Run-time scales get the integer-size mapping (exact when the product
+    Where scales are given, onnxruntime maps output to input coordinates with the scale itself
+    (x_in = (x_out + 0.5) / scale - 0.5 for half_pixel; align_corners and tf_crop_and_resize use
+    the integer output length), while TVM's resize derives the scale from the integer output size,
+    which differs whenever input * scale is not whole (shrinking 5 by 0.5). So such a resize passes
+    TOPI the fractional target size input * scale and the floored output shape separately. Run-time scales get the integer-size mapping (exact when the product
     is whole). Antialiasing and half_pixel_symmetric are refused: TOPI has neither.
     """
 
@@ -609,6 +621,11 @@ def _emit_resize(bb, data, output_dims: list, targets: list, roi: list, attr) ->
     rounding = attr.get("nearest_mode", b"round_prefer_floor").decode("ascii")
     alpha, exclude = attr.get("cubic_coeff_a", -0.75), attr.get("exclude_outside", 0)
     extrapolation = attr.get("extrapolation_value", 0.0)
+    if coordinate_mode in ("align_corners", "tf_crop_and_resize"):
+        # These map with (in - 1) / (out - 1) of the integer output length in onnxruntime (onnx's
+        # reference uses input * scale); a symbolic length goes in as float, see _resize_by_scales.
+        targets = [dim if constant_value(dim) is not None else tirx.Cast("float32", dim)
+                   for dim in output_dims]
     whole_targets = all(target.ty.dtype == "int64" or str(target.ty.dtype).startswith("int")
                         for target in targets)
     if whole_targets and spatial_rank in (2, 3):
