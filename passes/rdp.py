@@ -11,6 +11,13 @@ a TopK computed as `length // 4`) is substituted everywhere and the sweep goes o
 changes. Each step maps true facts to true facts, so the result is sound at every step; the visit
 cap (MAX_VISITS_PER_BINDING) only bounds precision, and `tightfit.rdp_converged` says if it hit.
 
+Sound means: in every run that completes without error (every input onnxruntime accepts), each
+value has the rank, dims and shape values RDP gives it. Backward facts are requirements of the
+consumers (a MatMul needs equal contracted dims), so they hold in such runs. Facts derived inside
+an `If` branch hold only in runs that take it: they refine only what that branch binds. On an
+input the model rejects, TVM may compute garbage where onnxruntime raises; after RDP a
+match_cast that became a check may raise instead — no valid run changes.
+
 What is written back into the IR (no output value changes):
 - cut symbols solved to expressions are substituted (`bind_symbolic_vars`): the match_cast that
   bound one becomes a run-time check of the proven value, and every type downstream tightens;
