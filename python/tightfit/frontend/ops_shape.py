@@ -441,15 +441,17 @@ class TopK(onnx_frontend.TopK):
 
 
 class Resize(onnx_frontend.Resize):
-    """ONNX Resize in every opset form: scales or sizes constant, computed in the graph or given at
-    run time; `axes` and `keep_aspect_ratio_policy` (opset 18); 1-D to 3-D spatial, channels first.
+    """ONNX Resize in every opset form: scales, sizes and roi constant, computed in the graph or
+    given at run time; `axes` and `keep_aspect_ratio_policy` (opset 18); 1-D to 3-D spatial,
+    channels first.
 
-    Where scales are given, onnxruntime maps output to input coordinates with the scale itself
-    (x_in = (x_out + 0.5) / scale - 0.5 for half_pixel; align_corners and tf_crop_and_resize use
-    the integer output length), while TVM's resize derives the scale from the integer output size,
-    which differs whenever input * scale is not whole (shrinking 5 by 0.5). So such a resize passes
-    TOPI the fractional target size input * scale and the floored output shape separately. Run-time scales get the integer-size mapping (exact when the product
-    is whole). Antialiasing and half_pixel_symmetric are refused: TOPI has neither.
+    onnxruntime maps output to input coordinates with the scale itself (x_in = (x_out + 0.5) /
+    scale - 0.5 for half_pixel; align_corners and tf_crop_and_resize use the integer output
+    length), while TVM's resize derives the scale from the integer output size: they differ
+    whenever input * scale is not whole (shrinking 5 by 0.5). So a resize by scales passes TOPI's
+    compute the fractional target length input * scale, as an expression or read from a tensor
+    computed at run time, and the floored output shape apart. Antialiasing and
+    half_pixel_symmetric are refused: TOPI has neither.
     """
 
     @classmethod
@@ -477,8 +479,8 @@ class Resize(onnx_frontend.Resize):
         data = inputs[0]
         roi, scales, sizes = (_given_input(inputs, index, params) for index in (1, 2, 3))
         input_dims = _input_dims(data)
-        if is_runtime_tensor(roi) or input_dims is None or not 3 <= len(input_dims) <= 5:
-            return super()._impl_v18(bb, inputs, attr, params)  # TVM's run-time roi path
+        if input_dims is None or not 3 <= len(input_dims) <= 5:
+            raise ValueError("Resize needs a 3-D to 5-D (channels first) input of known rank")
         if attr.get("antialias", 0):
             raise ValueError("Resize with antialias=1 is not supported")
         coordinate_mode = attr.get("coordinate_transformation_mode", b"half_pixel").decode("ascii")
@@ -494,13 +496,16 @@ class Resize(onnx_frontend.Resize):
             output_dims, targets = _resize_by_scales(bb, input_dims, axes, scales)
         else:
             raise ValueError("Resize needs scales or sizes")
+        runtime_targets = None
         if any(dim is None for dim in output_dims):
-            output_dims = _bind_runtime_output_dims(bb, data, axes, scales, sizes, output_dims)
-            targets = [output if target is None else target for output, target in zip(output_dims, targets)]
+            output_dims, runtime_targets = _runtime_output(bb, data, axes, scales, sizes, policy, output_dims)
+            if runtime_targets is None:  # sizes: the target lengths are the output dims
+                targets = [dim if target is None else target for dim, target in zip(output_dims, targets)]
         for axis in (0, 1):
             if not _ANALYZER.can_prove_equal(output_dims[axis], input_dims[axis]):
                 raise ValueError("Resize of the batch or channel dim is not supported")
-        return _emit_resize(bb, data, output_dims, targets, _spatial_roi(roi, axes, rank), attr)
+        roi = _spatial_roi(bb, roi, axes, rank) if coordinate_mode == "tf_crop_and_resize" else None
+        return _emit_resize(bb, data, output_dims, targets, runtime_targets, roi, attr)
 
     @classmethod
     def _impl_v18(cls, bb, inputs, attr, params):
@@ -523,22 +528,21 @@ def _constant_float(element) -> float | None:
 
 
 def _resize_to_sizes(bb, input_dims: list, axes: list, sizes, policy: str):
-    """Output dims and the target sizes TOPI maps coordinates with, for Resize given sizes."""
+    """Output dims and target lengths for Resize given sizes (None where known only at run time)."""
     values = shape_values(bb, sizes)
     if values is None or len(values) != len(axes):
         raise ValueError("Resize sizes must be a vector with one element per resized axis")
     output_dims = list(input_dims)
-    for axis, value in zip(axes, values):
-        output_dims[axis] = value
     if policy == "stretch":
+        for axis, value in zip(axes, values):
+            output_dims[axis] = value
         return output_dims, list(output_dims)
     # ONNX: one scale for all axes, the smallest (not_larger) or largest (not_smaller) ratio;
     # each output dim is input * scale rounded half up, coordinates mapped with that scale.
     wanted = [constant_value(value) for value in values]
     given = [constant_value(input_dims[axis]) for axis in axes]
     if None in wanted + given:
-        raise ValueError(f"Resize keep_aspect_ratio_policy={policy} needs constant sizes and "
-                         "static input dims")
+        return [None if axis in axes else dim for axis, dim in enumerate(input_dims)], [None] * len(input_dims)
     ratios = [np.float32(w) / np.float32(g) for w, g in zip(wanted, given)]
     scale = min(ratios) if policy == "not_larger" else max(ratios)
     targets = list(input_dims)
@@ -549,8 +553,8 @@ def _resize_to_sizes(bb, input_dims: list, axes: list, sizes, policy: str):
 
 
 def _resize_by_scales(bb, input_dims: list, axes: list, scales):
-    """Output dims (floor(input * scale), None where the scale is known only at run time) and
-    the fractional target sizes input * scale."""
+    """Output dims (floor(input * scale)) and target lengths (input * scale) for Resize given
+    scales, None where a scale is known only at run time."""
     values = shape_values(bb, scales)
     if values is None or len(values) != len(axes):
         raise ValueError("Resize scales must be a vector with one element per resized axis")
@@ -579,41 +583,64 @@ def _resize_by_scales(bb, input_dims: list, axes: list, scales):
     return output_dims, targets
 
 
-def _bind_runtime_output_dims(bb, data, axes: list, scales, sizes, output_dims: list) -> list:
-    """`output_dims` with each unknown dim a fresh symbol, bound by a match_cast of the output
-    shape computed at run time (checked there)."""
+def _runtime_output(bb, data, axes: list, scales, sizes, policy: str, output_dims: list):
+    """Output dims with each unknown one a fresh symbol, bound by a match_cast of the output
+    shape computed at run time (and checked there), and the target lengths as a float tensor
+    over all dims (None when they are the output dims, as for sizes)."""
     input_shape = _shape_tensor(bb, data)
+    input_lengths = relax.op.astype(input_shape, "float32")
     axes_tensor = _int64(axes)
-    if sizes is not None:
+    targets = None
+    if sizes is not None and policy == "stretch":
         shape = relax.op.scatter_elements(input_shape, axes_tensor, int64_tensor(bb, sizes))
+    elif sizes is not None:
+        resized_lengths = relax.op.take(input_lengths, axes_tensor, axis=0)
+        ratios = relax.op.divide(relax.op.astype(int64_tensor(bb, sizes), "float32"), resized_lengths)
+        scale = relax.op.min(ratios) if policy == "not_larger" else relax.op.max(ratios)
+        scaled = bb.emit(relax.op.multiply(resized_lengths, scale))
+        targets = bb.emit(relax.op.scatter_elements(input_lengths, axes_tensor, scaled))
+        rounded = relax.op.astype(relax.op.floor(relax.op.add(scaled, relax.const(0.5, "float32"))), "int64")
+        shape = relax.op.scatter_elements(input_shape, axes_tensor, rounded)
     else:
         full_scales = relax.op.scatter_elements(relax.const(np.ones(len(output_dims), "float32")),
                                                 axes_tensor, relax.op.astype(scales, "float32"))
-        scaled = relax.op.floor(relax.op.multiply(relax.op.astype(input_shape, "float32"), full_scales))
-        shape = relax.op.astype(scaled, "int64")
+        targets = bb.emit(relax.op.multiply(input_lengths, full_scales))
+        shape = relax.op.astype(relax.op.floor(targets), "int64")
     # Batch and channel are never resized; the match_cast checks that the run-time values agree.
     input_dims = _input_dims(data)
     dims = [input_dims[axis] if axis < 2 and dim is None else dim for axis, dim in enumerate(output_dims)]
     dims = [tirx.Var(f"resize_dim{axis}", "int64") if dim is None else dim for axis, dim in enumerate(dims)]
     bb.match_cast(runtime_shape(bb, bb.emit(shape)), relax.ShapeType(dims))
-    return dims
+    return dims, targets
 
 
-def _spatial_roi(roi, axes: list, rank: int) -> list:
-    """TOPI's roi (spatial starts, then spatial ends) from ONNX's (starts, ends over `axes`)."""
-    if not isinstance(roi, tvm.ir.GenericConst):  # only tf_crop_and_resize reads it
-        return [0.0] * (2 * (rank - 2))
+def _spatial_roi(bb, roi, axes: list, rank: int):
+    """TOPI's roi (spatial starts, then spatial ends) from ONNX's (starts, ends over `axes`): a
+    list of floats, or a float tensor when the roi is given at run time."""
     starts, ends = [0.0] * rank, [1.0] * rank
-    values = roi.value.numpy().astype("float64").tolist()
-    for index, axis in enumerate(axes):
-        starts[axis], ends[axis] = values[index], values[len(axes) + index]
-    return starts[2:] + ends[2:]
+    if roi is None:
+        return starts[2:] + ends[2:]
+    if isinstance(roi, tvm.ir.GenericConst):
+        values = roi.value.numpy().astype("float64").tolist()
+        for index, axis in enumerate(axes):
+            starts[axis], ends[axis] = values[index], values[len(axes) + index]
+        return starts[2:] + ends[2:]
+    roi = relax.op.astype(roi, "float32")
+    count = len(axes)
+    axes_tensor = _int64(axes)
+    full_starts = relax.op.scatter_elements(relax.const(np.array(starts, "float32")), axes_tensor,
+                                            relax.op.strided_slice(roi, axes=[0], begin=[0], end=[count]))
+    full_ends = relax.op.scatter_elements(relax.const(np.array(ends, "float32")), axes_tensor,
+                                          relax.op.strided_slice(roi, axes=[0], begin=[count], end=[2 * count]))
+    spatial = [relax.op.strided_slice(full, axes=[0], begin=[2], end=[rank]) for full in (full_starts, full_ends)]
+    return bb.emit(relax.op.concat(spatial, axis=0))
 
 
-def _emit_resize(bb, data, output_dims: list, targets: list, roi: list, attr) -> relax.Expr:
-    """The resize: Relax's resize2d/3d op where the targets are the (integer) output sizes, TOPI's
-    compute with fractional targets and the output shape apart otherwise (and for 1-D, which
-    Relax has no op for)."""
+def _emit_resize(bb, data, output_dims: list, targets: list, runtime_targets, roi, attr) -> relax.Expr:
+    """The resize: Relax's resize2d/3d op where the target lengths are the integer output dims
+    and the roi constant; otherwise TOPI's compute, given the target lengths (expressions, or
+    elements of `runtime_targets` where None) and the output shape apart (1-D always: Relax has
+    no resize1d op)."""
     spatial_rank = len(output_dims) - 2
     mode = attr.get("mode", b"nearest").decode("ascii")
     method = "nearest_neighbor" if mode == "nearest" else mode
@@ -621,24 +648,32 @@ def _emit_resize(bb, data, output_dims: list, targets: list, roi: list, attr) ->
     rounding = attr.get("nearest_mode", b"round_prefer_floor").decode("ascii")
     alpha, exclude = attr.get("cubic_coeff_a", -0.75), attr.get("exclude_outside", 0)
     extrapolation = attr.get("extrapolation_value", 0.0)
+    layout = ["NCW", "NCHW", "NCDHW"][spatial_rank - 1]
+    if roi is None:
+        roi = [0.0] * (2 * spatial_rank)
     if coordinate_mode in ("align_corners", "tf_crop_and_resize"):
         # These map with (in - 1) / (out - 1) of the integer output length in onnxruntime (onnx's
         # reference uses input * scale); a symbolic length goes in as float, see _resize_by_scales.
         targets = [dim if constant_value(dim) is not None else tirx.Cast("float32", dim)
                    for dim in output_dims]
-    whole_targets = all(target.ty.dtype == "int64" or str(target.ty.dtype).startswith("int")
-                        for target in targets)
-    if whole_targets and spatial_rank in (2, 3):
+        runtime_targets = None
+    whole_targets = all(target is not None and str(target.ty.dtype).startswith("int") for target in targets)
+    if whole_targets and isinstance(roi, list) and spatial_rank in (2, 3):
         resize_op = relax.op.image.resize2d if spatial_rank == 2 else relax.op.image.resize3d
         return bb.emit(resize_op(
-            data, size=relax.ShapeExpr(output_dims[2:]), roi=roi,
-            layout="NCHW" if spatial_rank == 2 else "NCDHW", method=method,
+            data, size=relax.ShapeExpr(output_dims[2:]), roi=roi, layout=layout, method=method,
             coordinate_transformation_mode=coordinate_mode, rounding_method=rounding,
             cubic_alpha=alpha, cubic_exclude=exclude, extrapolation_value=extrapolation))
     topi_resize = {1: topi.image.resize1d, 2: topi.image.resize2d, 3: topi.image.resize3d}[spatial_rank]
-    return bb.emit_te(topi_resize, data, roi, targets[2:], ["NCW", "NCHW", "NCDHW"][spatial_rank - 1],
-                      method, coordinate_mode, rounding, alpha, exclude, extrapolation,
-                      output_shape=output_dims)
+
+    def resize(data_te, runtime_targets_te, roi_te):
+        lengths = [runtime_targets_te[axis] if target is None else target
+                   for axis, target in enumerate(targets)]
+        spatial_roi = roi if roi_te is None else [roi_te[i] for i in range(2 * spatial_rank)]
+        return topi_resize(data_te, spatial_roi, lengths[2:], layout, method, coordinate_mode, rounding,
+                           alpha, exclude, extrapolation, output_shape=output_dims)
+
+    return bb.emit_te(resize, data, runtime_targets, None if isinstance(roi, list) else roi)
 
 
 class Upsample(onnx_frontend.Upsample):
