@@ -3,5 +3,13 @@
 from .classify_dynamism import ClassifyDynamism
 from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
+from .select_conv_algorithm import SelectConvAlgorithm
+from .select_gemm_kernel import SelectGemmKernel
 
-__all__ = ["ClassifyDynamism", "PreTransformWeights", "RankDimensionPropagation"]
+__all__ = [
+    "ClassifyDynamism",
+    "PreTransformWeights",
+    "RankDimensionPropagation",
+    "SelectConvAlgorithm",
+    "SelectGemmKernel",
+]

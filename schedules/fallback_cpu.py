@@ -38,8 +38,17 @@ class FallbackCPUSchedule:
 def schedule_prim_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
     schedule = s_tir.Schedule(func)
     _inline_injective_blocks(schedule)
+    parallelize_outer_loops(schedule)
+    return schedule.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def parallelize_outer_loops(schedule: s_tir.Schedule, skip: frozenset[str] = frozenset()) -> None:
+    """Fuse and parallelize the leading spatial loops of every top-level loop nest still serial
+    (blocks named in `skip` have their own schedule)."""
     root = schedule.get_sblock("root")
     for block in schedule.get_child_blocks(root):
+        if schedule.get(block).name_hint in skip:
+            continue
         loops = schedule.get_loops(block)
         if any(_is_empty(schedule.get(loop).extent) for loop in loops):
             continue  # an empty tensor: nothing runs, and fusing would divide by a zero extent
@@ -51,7 +60,6 @@ def schedule_prim_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
         if isinstance(extent, tirx.IntImm) and extent.value < MIN_PARALLEL_EXTENT:
             continue
         schedule.parallel(fused)
-    return schedule.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 def _inline_injective_blocks(schedule: s_tir.Schedule) -> None:

@@ -18,8 +18,14 @@ import tvm
 from tvm import relax
 
 from .errors import CompilationError
-from .passes import ClassifyDynamism, PreTransformWeights, RankDimensionPropagation
-from .schedules import FallbackCPUSchedule
+from .passes import (
+    ClassifyDynamism,
+    PreTransformWeights,
+    RankDimensionPropagation,
+    SelectConvAlgorithm,
+    SelectGemmKernel,
+)
+from .schedules import FallbackCPUSchedule, ScheduleKernels
 from .weight_file import WeightTensor
 from .target import CompileTarget
 
@@ -29,6 +35,10 @@ class PipelineOptions:
     """Switches for optional passes; the defaults are what `tightfit compile` uses."""
 
     fallback_schedule: bool = True
+    # tightfit's kernels for conv and matmul (issue 5); off leaves them to TVM's legalization
+    fast_kernels: bool = True
+    # the knob database measured by a knob search (None: $TIGHTFIT_KNOB_DATABASE, else defaults)
+    knob_database: str | None = None
 
 
 def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) -> list[tvm.transform.Pass]:
@@ -41,7 +51,10 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.FoldConstant(),
         ClassifyDynamism(),
         RankDimensionPropagation(),
-        # 2. weights: transforms computed once, offline (FlexNN pre-transformation)
+        # 2. kernels and weights: each conv's algorithm and each GEMM's packing chosen by cost
+        #    (MNN pre-inference), then every weight transform computed once, offline (FlexNN)
+        *([SelectConvAlgorithm(options.knob_database), SelectGemmKernel(options.knob_database)]
+          if options.fast_kernels else []),
         PreTransformWeights(),
         # 3. lower to TIR and fuse (sorts, scans and sampling to their library kernels first)
         relax.backend.DispatchSampling(),
@@ -51,7 +64,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        # 4. schedule kernels
+        # 4. schedule kernels: tightfit's kernels in one version per shape bucket, then the rest
+        *([ScheduleKernels()] if options.fast_kernels else []),
         *([FallbackCPUSchedule()] if options.fallback_schedule else []),
         # 5. lower dataflow to VM code; plan memory
         relax.transform.RewriteDataflowReshape(),

@@ -1,0 +1,158 @@
+"""Choose each convolution's algorithm by cost and replace it with that tightfit kernel.
+
+MNN §3.1 (pre-inference: "計算策略選擇", the strategy is chosen per op from its sizes by a cost
+model) and DESIGN.md step 6. For every `relax.nn.conv2d` (NCHW/OIHW, fp32, weights known at
+compile time) the candidates are
+- `direct`: implicit GEMM on register tiles (schedules/conv2d.py); workspace = the packed input;
+- `depthwise`: the per-channel kernel, the only candidate when groups == channels;
+- `winograd_f2`, `winograd_f4`: Winograd F(2x2, 3x3) / F(4x4, 3x3) for 3x3 stride-1 convs
+  (schedules/winograd.py); transformed weights are larger ((m+2)^2/9 times), the transformed
+  input and the GEMM result are workspace.
+Cost of a candidate = its multiply-adds / its measured multiply-add rate + the bytes its stages
+move / the memory bandwidth + the transforms' arithmetic, all in seconds (schedules/conv_cost.py);
+the rates come from the knob database when `tightfit tune` has calibrated this target, else from
+MNN-style defaults. The cheapest candidate that fits `max_workspace_bytes` wins (a memory budget
+may lower it: FlexNN's kernel choice under a budget). Symbolic extents are costed at
+`typical_extent` (or the function's `tir_var_upper_bound`).
+
+The choice is recorded in the IR, on the kernel's PrimFunc: `tightfit.algorithm`,
+`tightfit.workspace_bytes` and `tightfit.weight_bytes` (symbolic where the shape is), and
+`tightfit.candidates` (name, estimated microseconds, bytes) for every candidate considered.
+Weight packing/transforms are emitted as weight-only bindings, so PreTransformWeights, which
+runs after this pass, computes them once at compile time and stores the result.
+Limits: grouped convs other than depthwise (multiplier 1) keep TVM's legalization; so do
+non-float32 convs and convs whose weight is computed at run time.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+
+from ..schedules import conv2d
+from ..schedules.conv_cost import ConvShape, Rates, candidate_costs, choose
+from ..schedules.isa import isa_for_target
+from ..schedules.kernel_call import WeightOnly, emit_kernel, emit_weight_transform
+from ..schedules.knob_database import KnobDatabase
+from ..schedules.register_tile import default_tile_knobs
+
+DEFAULT_TYPICAL_EXTENT = 32
+
+
+@relax.expr_functor.mutator
+class _ConvRewriter(relax.PyExprMutator):
+    def __init__(self, mod, func, isa, database, max_workspace_bytes, typical_extent):
+        super().__init__(mod)
+        self.weight_only = WeightOnly(func)
+        self.isa = isa
+        self.database = database
+        self.rates = Rates.for_target(isa, _target_threads(), database.rates())
+        self.max_workspace_bytes = max_workspace_bytes
+        self.typical = _typical_extents(func, typical_extent)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if not _is_supported_conv(value) or not self.weight_only(value.args[1]):
+            super().visit_var_binding_(binding)
+            return
+        data, weight = (self.visit_expr(arg) for arg in value.args)
+        shape = ConvShape.from_call(value, self.typical)
+        costs = candidate_costs(shape, self.isa, self.rates, winograd=False)
+        chosen = choose(costs, self.max_workspace_bytes)
+        new_var = self._emit(chosen.name, value, data, weight, costs, binding.var.name)
+        self.set_var_remap(binding.var, new_var)
+
+    def _emit(self, algorithm, call, data, weight, costs, name):
+        attrs = call.attrs
+        out_channels = int(call.args[1].ty.shape[0])
+        strides = [int(s) for s in attrs.strides]
+        dilation = [int(d) for d in attrs.dilation]
+        padding = [int(p) for p in attrs.padding]
+        out_width = call.ty.shape[3]
+        record = {
+            "tightfit.algorithm": algorithm,
+            "tightfit.candidates": [c.as_record() for c in costs],
+        }
+        if algorithm == "depthwise":
+            record.update(_footprint(costs, algorithm))
+            return emit_kernel(self.builder_, conv2d.conv2d_depthwise, [data, weight],
+                               "conv2d_depthwise", record, name, strides=strides, padding=padding,
+                               dilation=dilation, vector_width=self.isa.lanes)
+        knobs = self.database.tile_knobs(conv2d.DIRECT, out_channels, out_width, self.isa)
+        knobs = knobs or default_tile_knobs(self.isa, out_channels, out_width)
+        packed = emit_weight_transform(self.builder_, conv2d.pack_conv2d_weight, [weight],
+                                       "conv2d_weight_panels",
+                                       self.weight_only.transformed_name(call.args[1], "panels"),
+                                       panel_width=knobs.vectors * self.isa.lanes)
+        record.update(_footprint(costs, algorithm))
+        return emit_kernel(self.builder_, conv2d.conv2d_direct, [data, packed], "conv2d_direct",
+                           record, name, out_channels=out_channels, strides=strides,
+                           padding=padding, dilation=dilation, rows=knobs.rows,
+                           vectors=knobs.vectors)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tightfit.SelectConvAlgorithm")
+class SelectConvAlgorithm:
+    def __init__(self, database_path: str | None = None, max_workspace_bytes: int | None = None,
+                 typical_extent: int = DEFAULT_TYPICAL_EXTENT):
+        self.database_path = database_path
+        self.max_workspace_bytes = max_workspace_bytes
+        self.typical_extent = typical_extent
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        isa = isa_for_target(tvm.target.Target.current(allow_none=True))
+        database = KnobDatabase.open(self.database_path, tvm.target.Target.current(allow_none=True))
+        for global_var, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function) or not _has_conv(func):
+                continue
+            rewriter = _ConvRewriter(mod, func, isa, database, self.max_workspace_bytes,
+                                     self.typical_extent)
+            new_func = rewriter.visit_expr(func)
+            mod = rewriter.builder_.get()
+            mod[global_var] = relax.analysis.remove_all_unused(new_func)
+        return mod
+
+
+def _is_supported_conv(value) -> bool:
+    if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+        return False
+    if value.op.name != "relax.nn.conv2d":
+        return False
+    attrs = value.attrs
+    data_ty, weight_ty = value.args[0].ty, value.args[1].ty
+    if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("NCHW", "OIHW", "NCHW"):
+        return False
+    if data_ty.dtype != "float32" or weight_ty.dtype != "float32" or str(attrs.out_dtype or "float32") not in ("", "void", "float32"):
+        return False
+    if weight_ty.shape is None or not all(isinstance(d, tirx.IntImm) for d in weight_ty.shape.values):
+        return False
+    if data_ty.shape is None or not isinstance(data_ty.shape.values[1], tirx.IntImm):
+        return False
+    groups = int(attrs.groups)
+    channels = int(data_ty.shape.values[1])
+    out_channels, in_per_group = (int(d) for d in weight_ty.shape.values[:2])
+    return groups == 1 or (groups == channels == out_channels and in_per_group == 1)
+
+
+def _has_conv(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(
+        func, lambda node: found.append(node) if _is_supported_conv(node) else None)
+    return bool(found)
+
+
+def _footprint(costs, algorithm: str) -> dict:
+    chosen = next(c for c in costs if c.name == algorithm)
+    return {"tightfit.workspace_bytes": chosen.workspace_bytes,
+            "tightfit.weight_bytes": chosen.weight_bytes}
+
+
+def _target_threads() -> int:
+    target = tvm.target.Target.current(allow_none=True)
+    return int(dict(target.attrs).get("num-cores", 1)) if target is not None else 1
+
+
+def _typical_extents(func: relax.Function, default: int) -> dict:
+    """Symbolic dims costed at their declared upper bound, or `default`."""
+    bounds = dict(func.attrs["tir_var_upper_bound"]) if func.attrs and "tir_var_upper_bound" in func.attrs else {}
+    return {"default": default, **{str(k): int(v) for k, v in bounds.items()}}

@@ -1,0 +1,124 @@
+"""Replace each fp32 matmul with a tightfit register-tile GEMM kernel.
+
+DESIGN.md steps 6 and 8 (GEMM layouts and packing). Two kernels (schedules/gemm.py):
+- `dense_packed`, when the right operand is computed from weights alone (ONNX Gemm and
+  MatMul with an initializer, usually behind the importer's transpose): the operand is packed
+  into column panels of NB = vectors x lanes by a weight-only binding, which
+  PreTransformWeights (after this pass) computes once at compile time;
+- `matmul_packed_rhs`, when both operands are computed at run time (attention): the kernel packs
+  the right operand itself.
+The register tile (rows, vectors) comes from the knob database when a search has measured this
+shape bucket on the target, else from the register budget (register_tile.default_tile_knobs).
+The row extent (the left operand's second-last axis) may be symbolic: the kernel is then
+scheduled in two versions dispatched at run time (schedules/dispatch.py).
+Limits: both operands at least 2-D; batch axes of two run-time operands must match exactly (a
+broadcasting batch matmul keeps TVM's legalization); fp32 only.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+
+from ..schedules import gemm
+from ..schedules.isa import isa_for_target
+from ..schedules.kernel_call import WeightOnly, emit_kernel, emit_weight_transform
+from ..schedules.knob_database import KnobDatabase
+from ..schedules.register_tile import default_tile_knobs
+
+
+@relax.expr_functor.mutator
+class _MatmulRewriter(relax.PyExprMutator):
+    def __init__(self, mod, func, isa, database):
+        super().__init__(mod)
+        self.weight_only = WeightOnly(func)
+        self.isa = isa
+        self.database = database
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if not _is_fp32_matmul(value):
+            super().visit_var_binding_(binding)
+            return
+        lhs_ty, rhs_ty = value.args[0].ty, value.args[1].ty
+        rows = lhs_ty.shape.values[-2]
+        columns = rhs_ty.shape.values[-1]
+        if self.weight_only(value.args[1]) and _is_static_2d(rhs_ty):
+            kind = gemm.DENSE
+        elif _same_batch(lhs_ty, rhs_ty):
+            kind = gemm.MATMUL
+        else:
+            super().visit_var_binding_(binding)
+            return
+        static_columns = int(columns) if isinstance(columns, tirx.IntImm) else 64
+        knobs = (self.database.tile_knobs(kind, static_columns, rows, self.isa)
+                 or default_tile_knobs(self.isa, static_columns, rows))
+        lhs, rhs = (self.visit_expr(arg) for arg in value.args)
+        record = {"tightfit.algorithm": kind}
+        if kind == gemm.DENSE:
+            packed = emit_weight_transform(self.builder_, gemm.pack_dense_weight, [rhs],
+                                           "dense_weight_panels",
+                                           self.weight_only.transformed_name(value.args[1], "panels"),
+                                           panel_width=knobs.vectors * self.isa.lanes)
+            new_var = emit_kernel(self.builder_, gemm.dense_packed, [lhs, packed], "dense_packed",
+                                  record, binding.var.name, out_features=int(columns),
+                                  rows=knobs.rows, vectors=knobs.vectors)
+        else:
+            new_var = emit_kernel(self.builder_, gemm.matmul_packed_rhs, [lhs, rhs],
+                                  "matmul_packed_rhs", record, binding.var.name, rows=knobs.rows,
+                                  vectors=knobs.vectors, lanes=self.isa.lanes)
+        self.set_var_remap(binding.var, new_var)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tightfit.SelectGemmKernel")
+class SelectGemmKernel:
+    def __init__(self, database_path: str | None = None):
+        self.database_path = database_path
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        isa = isa_for_target(target)
+        database = KnobDatabase.open(self.database_path, target)
+        for global_var, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function) or not _has_matmul(func):
+                continue
+            rewriter = _MatmulRewriter(mod, func, isa, database)
+            new_func = rewriter.visit_expr(func)
+            mod = rewriter.builder_.get()
+            mod[global_var] = relax.analysis.remove_all_unused(new_func)
+        return mod
+
+
+def _is_fp32_matmul(value) -> bool:
+    if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+        return False
+    if value.op.name != "relax.matmul":
+        return False
+    lhs_ty, rhs_ty = value.args[0].ty, value.args[1].ty
+    if not all(isinstance(ty, relax.TensorType) and ty.shape is not None for ty in (lhs_ty, rhs_ty)):
+        return False
+    if lhs_ty.dtype != "float32" or rhs_ty.dtype != "float32":
+        return False
+    if str(value.attrs.out_dtype or "float32") not in ("", "void", "float32"):
+        return False
+    return len(lhs_ty.shape.values) >= 2 and len(rhs_ty.shape.values) >= 2
+
+
+def _is_static_2d(ty) -> bool:
+    dims = ty.shape.values
+    return len(dims) == 2 and all(isinstance(d, tirx.IntImm) for d in dims)
+
+
+def _same_batch(lhs_ty, rhs_ty) -> bool:
+    lhs_batch, rhs_batch = lhs_ty.shape.values[:-2], rhs_ty.shape.values[:-2]
+    if len(lhs_batch) != len(rhs_batch):
+        return False
+    analyzer = tvm.sym.Analyzer()
+    return all(analyzer.can_prove_equal(a, b) for a, b in zip(lhs_batch, rhs_batch))
+
+
+def _has_matmul(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(
+        func, lambda node: found.append(node) if _is_fp32_matmul(node) else None)
+    return bool(found)

@@ -1,0 +1,165 @@
+"""Convolution kernels (NCHW in, NCHW out) as TE computes in the register-tile form.
+
+Graph tensors stay NCHW (ONNX's layout; no graph-wide layout pass, which would have to see
+through every op), and each kernel changes layout inside:
+- `conv2d_direct`: the implicit GEMM (MNN's "sliding window" algorithm on NC4HW4 data, here
+  with channels-last tiles). A packing stage writes the zero-padded input channels-last, so the
+  micro-kernel broadcasts one input value and multiplies it by a vector of output channels of
+  the packed weights [panel, KH, KW, C, NB] (packed offline by PreTransformWeights); rows of the
+  tile are output pixels along the width. The write-back stores those rows to NCHW.
+- `conv2d_depthwise`: one filter per channel has no reduction over channels to vectorize, so
+  the vectors run along the output width in NCHW directly; the packing stage pads and, for
+  stride s, splits each row into s phases so that every vector load is contiguous.
+Memory footprint (MNN pre-inference; recorded by passes/select_conv_algorithm.py): the packed
+input (workspace) and the packed weights.
+Limits: groups must be 1 (direct) or equal to the channel count (depthwise); fp32.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, te, tirx
+
+from .register_tile import (
+    KERNEL_ANNOTATION,
+    OUTPUT_ROW_AXIS_ANNOTATION,
+    ROW_TILES,
+    ROWS_ANNOTATION,
+    STAGE_ANNOTATION,
+    VECTORS_ANNOTATION,
+)
+
+DIRECT = "conv2d_direct"
+DEPTHWISE = "conv2d_depthwise"
+
+
+def output_extent(size, pad_before: int, pad_after: int, kernel: int, stride: int, dilation: int):
+    analyzer = tvm.sym.Analyzer()
+    return analyzer.simplify((size + pad_before + pad_after - (kernel - 1) * dilation - 1) // stride + 1)
+
+
+def pack_conv2d_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
+    """OIHW -> [ceil(O / NB), KH, KW, I, NB], output channels zero-padded to whole panels."""
+    out_channels, in_channels, kernel_h, kernel_w = (int(d) for d in weight.shape)
+    panels = -(-out_channels // panel_width)
+
+    def packed(panel, kh, kw, c, lane):
+        o = panel * panel_width + lane
+        return tirx.if_then_else(o < out_channels, weight[tirx.min(o, out_channels - 1), c, kh, kw],
+                                 tirx.const(0, weight.dtype))
+
+    return te.compute((panels, kernel_h, kernel_w, in_channels, panel_width), packed,
+                      name="conv2d_weight_panels")
+
+
+def conv2d_direct(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, strides, padding,
+                  dilation, rows: int, vectors: int) -> te.Tensor:
+    """NCHW conv as register tiles over (batch, out row, out col; out channel).
+
+    `padding` is (top, left, bottom, right). The tiles' width domain is max(OW, rows) so that a
+    tile of `rows` pixels always fits (tail_tiles.py); the version for OW < rows never reads it.
+    """
+    batch, channels, height, width = data.shape
+    panels, kernel_h, kernel_w, _, panel_width = (int(d) for d in packed_weight.shape)
+    (stride_h, stride_w), (dil_h, dil_w) = strides, dilation
+    top, left, bottom, right = padding
+    out_h = output_extent(height, top, bottom, kernel_h, stride_h, dil_h)
+    out_w = output_extent(width, left, right, kernel_w, stride_w, dil_w)
+    tile_w = tirx.max(out_w, rows)
+    # Columns a full tile may read: the last shifted tile ends inside the padded image whenever
+    # out_w >= rows; the extra right padding only covers the never-run narrow case.
+    packed_w = (tile_w - 1) * stride_w + (kernel_w - 1) * dil_w + 1
+    packed_h = height + top + bottom
+
+    def pad_value(n, h, w, c):
+        inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
+        return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
+
+    packed_input = te.compute((batch, packed_h, packed_w, channels), pad_value,
+                              name="conv2d_input_nhwc", attrs={STAGE_ANNOTATION: "packed_input"})
+    ry = te.reduce_axis((0, kernel_h), "ry")
+    rx = te.reduce_axis((0, kernel_w), "rx")
+    rc = te.reduce_axis((0, channels), "rc")
+
+    def tile_value(n, oh, ow, o):
+        pixel = packed_input[n, oh * stride_h + ry * dil_h, ow * stride_w + rx * dil_w, rc]
+        return te.sum(pixel * packed_weight[o // panel_width, ry, rx, rc, o % panel_width],
+                      axis=[ry, rx, rc])
+
+    tiles = te.compute((batch, out_h, tile_w, panels * panel_width), tile_value,
+                       name="conv2d_tiles",
+                       attrs={KERNEL_ANNOTATION: DIRECT, ROWS_ANNOTATION: rows,
+                              VECTORS_ANNOTATION: vectors, OUTPUT_ROW_AXIS_ANNOTATION: 3})
+    return te.compute((batch, out_channels, out_h, out_w), lambda n, o, h, w: tiles[n, h, w, o],
+                      name="conv2d_out")
+
+
+def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
+                     vector_width: int) -> te.Tensor:
+    """Depthwise NCHW conv (weight [C, 1, KH, KW]; channel multiplier 1) with width vectors.
+
+    The packing stage holds, per channel and padded row, `stride_w` phases of the row; phase p,
+    column j is padded column j * stride_w + p, so output column ow, tap kw reads phase
+    (kw * dil_w) % stride_w at column ow + (kw * dil_w) // stride_w: consecutive in ow. Tiles
+    of `vector_width` columns cover the width with the last one shifted back (tail_tiles.py),
+    so the width domain is max(out_w, vector_width).
+    """
+    batch, channels, height, width = data.shape
+    _, _, kernel_h, kernel_w = (int(d) for d in weight.shape)
+    (stride_h, stride_w), (dil_h, dil_w) = strides, dilation
+    top, left, bottom, right = padding
+    out_h = output_extent(height, top, bottom, kernel_h, stride_h, dil_h)
+    out_w = output_extent(width, left, right, kernel_w, stride_w, dil_w)
+    tile_w = tirx.max(out_w, vector_width)
+    phase_w = tile_w + ((kernel_w - 1) * dil_w) // stride_w
+    packed_h = height + top + bottom
+
+    def pad_value(n, c, h, phase, j):
+        w = j * stride_w + phase
+        inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
+        return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
+
+    packed_input = te.compute((batch, channels, packed_h, stride_w, phase_w), pad_value,
+                              name="depthwise_input_phases",
+                              attrs={STAGE_ANNOTATION: "packed_input"})
+    ry = te.reduce_axis((0, kernel_h), "ry")
+    rx = te.reduce_axis((0, kernel_w), "rx")
+
+    def tile_value(n, c, oh, ow):
+        tap = rx * dil_w
+        pixel = packed_input[n, c, oh * stride_h + ry * dil_h, tap % stride_w, ow + tap // stride_w]
+        return te.sum(pixel * weight[c, 0, ry, rx], axis=[ry, rx])
+
+    tiles = te.compute((batch, channels, out_h, tile_w), tile_value, name="depthwise_tiles",
+                       attrs={KERNEL_ANNOTATION: DEPTHWISE, ROWS_ANNOTATION: vector_width,
+                              OUTPUT_ROW_AXIS_ANNOTATION: 3})
+    return te.compute((batch, channels, out_h, out_w), lambda n, c, h, w: tiles[n, c, h, w],
+                      name="depthwise_out")
+
+
+def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_row_axis: int,
+                       vector_width: int, version: str) -> list[tuple]:
+    """Depthwise tiles: one vector of output columns per tile, the filter taps unrolled."""
+    n, c, oh, ow, ry, rx = sch.get_loops(tiles)
+    if version == ROW_TILES:
+        ow_outer, ow_lane = sch.split(ow, [None, vector_width])
+        sch.reorder(n, c, oh, ow_outer, ry, rx, ow_lane)
+        sch.reverse_compute_at(out_block, ow_outer)
+        sch.set_scope(tiles, 0, "local")
+        sch.parallel(sch.fuse(n, c, oh))
+        sch.unroll(ry)
+        sch.unroll(rx)
+        sch.vectorize(ow_lane)
+        init = sch.decompose_reduction(tiles, ry)
+        sch.vectorize(sch.get_loops(out_block)[-1])
+        row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3,
+                     sch.get(out_block).name_hint: out_row_axis}
+        return [("shift", row_iters, vector_width, row_extent)]
+    sch.reorder(n, c, oh, ow, ry, rx)
+    sch.reverse_compute_at(out_block, ow)
+    sch.set_scope(tiles, 0, "local")
+    sch.parallel(sch.fuse(n, c, oh))
+    sch.unroll(ry)
+    sch.unroll(rx)
+    sch.decompose_reduction(tiles, ry)
+    return [("restrict", sch.get(ow).loop_var, row_extent)]

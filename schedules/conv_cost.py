@@ -1,0 +1,182 @@
+"""The cost model that picks a convolution's algorithm (MNN §3.1 pre-inference).
+
+MNN's rule: cost(direct / GEMM) = its multiply-adds; cost(Winograd F(n, k)) = the source
+transform, the element-wise products (as a batched GEMM) and the destination transform, whose
+sum falls and then rises with n, so the smallest is searched; plus the back-end's scheduling
+cost, measured on real machines. Here each term is in seconds:
+    multiply-adds / macs_per_second(kernel)
+  + bytes moved by the packing and transform stages / bytes_per_second
+  + transform arithmetic / transform_flops_per_second
+with the three rates measured on the target by `tightfit tune` (knob_search.calibrate, stored
+in the knob database) or, before that, the defaults below: 60% of the vector unit's FMA peak
+at 3 GHz on the target's cores for the register-tile GEMM, a quarter of that for the
+transforms (short, shuffle-bound loops), 10 GB/s for memory. Zero padding of output channels to
+whole vector panels counts as work, because the kernels do it.
+Every candidate also reports its memory: workspace (packed input, Winograd's transformed input
+and GEMM result) and packed/transformed weight bytes, for the budget-aware choice (FlexNN) and
+the memory plan.
+Limits: symbolic extents are costed at a typical value; the model has no cache model (a layer
+that fits L2 and one that does not cost the same per multiply-add).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax, tirx
+
+from .isa import VectorISA
+
+BYTES_PER_FLOAT = 4
+DEFAULT_CLOCK_HZ = 3.0e9
+DEFAULT_GEMM_EFFICIENCY = 0.6
+DEFAULT_BYTES_PER_SECOND = 10e9
+WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    batch: int
+    channels: int
+    height: int
+    width: int
+    out_channels: int
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    dilation: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    groups: int
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        top, left, bottom, right = self.padding
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.strides, self.dilation
+        return ((self.height + top + bottom - (kh - 1) * dh - 1) // sh + 1,
+                (self.width + left + right - (kw - 1) * dw - 1) // sw + 1)
+
+    @property
+    def is_depthwise(self) -> bool:
+        return self.groups > 1 and self.groups == self.channels == self.out_channels
+
+    @staticmethod
+    def from_call(call: relax.Call, typical: dict) -> ConvShape:
+        """The conv's shape with each symbolic extent at its typical value."""
+        n, c, h, w = (_typical(d, typical) for d in call.args[0].ty.shape.values)
+        o, _, kh, kw = (int(d) for d in call.args[1].ty.shape.values)
+        attrs = call.attrs
+        return ConvShape(n, c, h, w, o, (kh, kw), tuple(int(s) for s in attrs.strides),
+                         tuple(int(d) for d in attrs.dilation),
+                         tuple(int(p) for p in attrs.padding), int(attrs.groups))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    seconds: float
+    macs: int
+    workspace_bytes: int
+    weight_bytes: int
+
+    def as_record(self) -> dict:
+        return {"name": self.name, "estimated_us": round(self.seconds * 1e6, 3), "macs": self.macs,
+                "workspace_bytes": self.workspace_bytes, "weight_bytes": self.weight_bytes}
+
+
+@dataclass(frozen=True)
+class Rates:
+    macs_per_second: float
+    transform_flops_per_second: float
+    bytes_per_second: float
+
+    @staticmethod
+    def for_target(isa: VectorISA, threads: int, measured: dict | None) -> Rates:
+        peak = isa.lanes * DEFAULT_CLOCK_HZ * max(1, threads)
+        defaults = {"macs_per_second": peak * DEFAULT_GEMM_EFFICIENCY,
+                    "transform_flops_per_second": peak * DEFAULT_GEMM_EFFICIENCY / 4,
+                    "bytes_per_second": DEFAULT_BYTES_PER_SECOND}
+        defaults.update(measured or {})
+        return Rates(**defaults)
+
+
+def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates,
+                    winograd: bool = True) -> list[Candidate]:
+    if shape.is_depthwise:
+        return [_depthwise(shape, rates)]
+    candidates = [_direct(shape, isa, rates)]
+    if winograd and is_winograd_eligible(shape):
+        candidates += [_winograd(shape, isa, rates, name) for name in WINOGRAD_TILES]
+    return candidates
+
+
+def choose(candidates: list[Candidate], max_workspace_bytes: int | None) -> Candidate:
+    """The fastest candidate within the workspace limit; the smallest workspace if none fits."""
+    fitting = [c for c in candidates
+               if max_workspace_bytes is None or c.workspace_bytes <= max_workspace_bytes]
+    if not fitting:
+        return min(candidates, key=lambda c: c.workspace_bytes)
+    return min(fitting, key=lambda c: c.seconds)
+
+
+def is_winograd_eligible(shape: ConvShape) -> bool:
+    return (shape.groups == 1 and shape.kernel == (3, 3) and shape.strides == (1, 1)
+            and shape.dilation == (1, 1))
+
+
+def _padded(channels: int, isa: VectorISA) -> int:
+    return -(-channels // isa.lanes) * isa.lanes
+
+
+def _direct(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
+    out_h, out_w = shape.out_hw
+    kh, kw = shape.kernel
+    macs = shape.batch * out_h * out_w * _padded(shape.out_channels, isa) * shape.channels * kh * kw
+    top, left, bottom, right = shape.padding
+    packed_input = shape.batch * shape.channels * (shape.height + top + bottom) * (shape.width + left + right)
+    moved = 2 * packed_input * BYTES_PER_FLOAT
+    seconds = macs / rates.macs_per_second + moved / rates.bytes_per_second
+    weights = _padded(shape.out_channels, isa) * shape.channels * kh * kw * BYTES_PER_FLOAT
+    return Candidate("direct", seconds, macs, packed_input * BYTES_PER_FLOAT, weights)
+
+
+def _depthwise(shape: ConvShape, rates: Rates) -> Candidate:
+    out_h, out_w = shape.out_hw
+    kh, kw = shape.kernel
+    macs = shape.batch * shape.channels * out_h * out_w * kh * kw
+    top, left, bottom, right = shape.padding
+    packed_input = shape.batch * shape.channels * (shape.height + top + bottom) * (shape.width + left + right)
+    seconds = macs / rates.transform_flops_per_second + 2 * packed_input * BYTES_PER_FLOAT / rates.bytes_per_second
+    return Candidate("depthwise", seconds, macs, packed_input * BYTES_PER_FLOAT,
+                     shape.channels * kh * kw * BYTES_PER_FLOAT)
+
+
+def _winograd(shape: ConvShape, isa: VectorISA, rates: Rates, name: str) -> Candidate:
+    """F(m x m, 3 x 3): alpha = m + 2 points per side, one batched GEMM per point."""
+    tile = WINOGRAD_TILES[name]
+    alpha = tile + 2
+    out_h, out_w = shape.out_hw
+    tiles = shape.batch * (-(-out_h // tile)) * (-(-out_w // tile))
+    out_channels = _padded(shape.out_channels, isa)
+    macs = alpha * alpha * tiles * shape.channels * out_channels
+    transformed_input = alpha * alpha * tiles * shape.channels
+    gemm_result = alpha * alpha * tiles * out_channels
+    # B^T d B and A^T M A as two small matrix products per tile and channel.
+    transform_flops = (tiles * shape.channels * 2 * (2 * alpha * alpha * alpha)
+                       + tiles * out_channels * 2 * (tile * alpha * alpha + tile * tile * alpha))
+    moved = (shape.batch * shape.channels * shape.height * shape.width
+             + 2 * transformed_input + 2 * gemm_result) * BYTES_PER_FLOAT
+    seconds = (macs / rates.macs_per_second + moved / rates.bytes_per_second
+               + transform_flops / rates.transform_flops_per_second)
+    workspace = (transformed_input + gemm_result) * BYTES_PER_FLOAT
+    weights = alpha * alpha * shape.channels * out_channels * BYTES_PER_FLOAT
+    return Candidate(name, seconds, macs, workspace, weights)
+
+
+def _typical(dim, typical: dict) -> int:
+    if isinstance(dim, tirx.IntImm):
+        return int(dim.value)
+    analyzer = tvm.sym.Analyzer()
+    for var in tirx.analysis.undefined_vars(dim):
+        analyzer.bind(var, typical.get(var.name, typical["default"]))
+    value = analyzer.simplify(dim)
+    return int(value.value) if isinstance(value, tirx.IntImm) else typical["default"]

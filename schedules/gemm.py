@@ -1,0 +1,90 @@
+"""Matrix-multiply kernels as TE computes in the register-tile form (register_tile.py).
+
+- `dense_packed`: A[*batch, M, K] x W[K, N] with W a weight, packed offline
+  (PreTransformWeights) into panels [ceil(N / NB), K, NB]; covers ONNX Gemm, MatMul with a
+  constant right side, and 1x1-free linear layers of transformers.
+- `matmul_packed_rhs`: A[*batch, M, K] x B[*batch, K, N] with both computed at run time
+  (attention's Q.K^T and P.V); B is packed into panels by a stage inside the kernel.
+The row extent M is the second-last axis of A (a sequence or a batch); the leading axes are
+looped over outside the tiles. Tiles' row domain is max(M, rows) (tail_tiles.py).
+Limits: fp32; batch axes of the two operands must be equal (no broadcasting) in
+`matmul_packed_rhs`.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from .register_tile import (
+    KERNEL_ANNOTATION,
+    OUTPUT_ROW_AXIS_ANNOTATION,
+    ROWS_ANNOTATION,
+    STAGE_ANNOTATION,
+    VECTORS_ANNOTATION,
+)
+
+DENSE = "dense_packed"
+MATMUL = "matmul_packed_rhs"
+
+
+def pack_dense_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
+    """[K, N] -> [ceil(N / NB), K, NB], columns zero-padded to whole panels."""
+    reduction, columns = (int(d) for d in weight.shape)
+    panels = -(-columns // panel_width)
+
+    def packed(panel, k, lane):
+        n = panel * panel_width + lane
+        return tirx.if_then_else(n < columns, weight[k, tirx.min(n, columns - 1)],
+                                 tirx.const(0, weight.dtype))
+
+    return te.compute((panels, reduction, panel_width), packed, name="dense_weight_panels")
+
+
+def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, rows: int,
+                 vectors: int) -> te.Tensor:
+    *batch, row_extent, reduction = data.shape
+    panels, _, panel_width = (int(d) for d in packed_weight.shape)
+    k = te.reduce_axis((0, reduction), "k")
+
+    def tile_value(*index):
+        *b, m, o = index
+        return te.sum(data[(*b, m, k)] * packed_weight[o // panel_width, k, o % panel_width], axis=k)
+
+    return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, out_features,
+                          DENSE, rows, vectors)
+
+
+def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
+                      lanes: int) -> te.Tensor:
+    *batch, row_extent, reduction = lhs.shape
+    columns = rhs.shape[-1]
+    panel_width = vectors * lanes
+    panels = (columns + panel_width - 1) // panel_width
+
+    def packed(*index):
+        *b, panel, r, lane = index
+        n = panel * panel_width + lane
+        return tirx.if_then_else(n < columns, rhs[(*b, r, tirx.min(n, columns - 1))],
+                                 tirx.const(0, rhs.dtype))
+
+    rhs_panels = te.compute((*batch, panels, reduction, panel_width), packed,
+                            name="matmul_rhs_panels", attrs={STAGE_ANNOTATION: "packed_rhs"})
+    k = te.reduce_axis((0, reduction), "k")
+
+    def tile_value(*index):
+        *b, m, o = index
+        return te.sum(lhs[(*b, m, k)] * rhs_panels[(*b, o // panel_width, k, o % panel_width)],
+                      axis=k)
+
+    return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, columns, MATMUL,
+                          rows, vectors)
+
+
+def _tiles_and_out(tile_value, batch, row_extent, padded_columns, columns, kind: str, rows: int,
+                   vectors: int) -> te.Tensor:
+    tiles = te.compute((*batch, tirx.max(row_extent, rows), padded_columns), tile_value,
+                       name=f"{kind}_tiles",
+                       attrs={KERNEL_ANNOTATION: kind, ROWS_ANNOTATION: rows,
+                              VECTORS_ANNOTATION: vectors,
+                              OUTPUT_ROW_AXIS_ANNOTATION: len(batch)})
+    return te.compute((*batch, row_extent, columns), lambda *index: tiles[index], name=f"{kind}_out")

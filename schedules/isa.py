@@ -1,0 +1,56 @@
+"""What a kernel schedule needs to know about the target's vector unit.
+
+DESIGN.md step 12: each schedule is written once for a family of targets, with the fp32 vector
+width and the number of vector registers as parameters:
+- x86 with AVX-512 (the host here): 16 lanes, 32 registers;
+- x86 with AVX2: 8 lanes, 16 registers;
+- Arm64 with NEON (phones, boards): 4 lanes, 32 registers.
+The register budget bounds a GEMM micro-kernel's accumulator tile: rows x vectors accumulators,
+plus one register per vector of B and one for the broadcast element of A.
+Limits: fp32 only; SVE/SME and Arm dotprod/i8mm (int8) are not used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+
+
+@dataclass(frozen=True)
+class VectorISA:
+    name: str
+    lanes: int  # fp32 elements in one vector register
+    registers: int  # architectural vector registers
+
+    def fits_registers(self, rows: int, vectors: int) -> bool:
+        """Does a rows x vectors accumulator tile fit with its B vectors and one A broadcast?"""
+        return rows * vectors + vectors + 1 <= self.registers
+
+
+AVX512 = VectorISA("avx512", lanes=16, registers=32)
+AVX2 = VectorISA("avx2", lanes=8, registers=16)
+NEON = VectorISA("neon", lanes=4, registers=32)
+SSE = VectorISA("sse", lanes=4, registers=16)
+
+
+def isa_for_target(target: tvm.target.Target | None) -> VectorISA:
+    """The vector unit of an LLVM CPU target (the current target context when None)."""
+    target = target or tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm":
+        return SSE
+    attrs = dict(target.attrs)
+    if attrs.get("feature.is_aarch64", False) or "aarch64" in str(attrs.get("mtriple", "")):
+        return NEON
+    if _has_feature("avx512f", target):
+        return AVX512
+    if _has_feature("avx2", target):
+        return AVX2
+    return SSE
+
+
+def _has_feature(feature: str, target: tvm.target.Target) -> bool:
+    try:
+        return bool(tvm.target.codegen.target_has_features(feature, target))
+    except Exception:  # TVM raises for targets whose CPU LLVM does not know
+        return False

@@ -1,0 +1,97 @@
+"""The on-disk database of measured kernel knobs and cost-model rates.
+
+MNN's semi-automatic search (between hand-written kernels and full auto-tuning): every
+tightfit kernel exposes a few knobs (register tile rows and vectors, reduction unroll), a short
+search measures tens of candidates per distinct shape on the target (knob_search.py), and the
+best are kept here, keyed by target, kernel kind and shape bucket; cost-model rates measured on
+the target (conv_cost.py) are kept beside them. Kernel selection reads it at compile time;
+nothing is measured during a compile.
+
+File format (JSON, one file, written atomically):
+    {"format": 1,
+     "targets": {"<target string>": {
+         "tiles": {"<kind>/<bucket>": {"rows": 8, "vectors": 2, "reduction_unroll": 1,
+                                        "us": 12.5, "shape": "..."}},
+         "rates": {"macs_per_second": ..., "bytes_per_second": ...,
+                   "transform_flops_per_second": ...}}}}
+Bucket: `v<panel vectors needed, at most 8>/m<row extent bucket>`, where the row extent bucket
+is `dyn` for a symbolic extent and the next power of two (at most 1024) otherwise.
+MetaSchedule tuning records, where a database of them exists, are applied separately and win.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import tvm
+from tvm import tirx
+
+from .isa import VectorISA
+from .register_tile import TileKnobs
+
+FORMAT = 1
+ENV_VARIABLE = "TIGHTFIT_KNOB_DATABASE"
+
+
+class KnobDatabase:
+    def __init__(self, path: Path | None, target_key: str, data: dict):
+        self.path = path
+        self.target_key = target_key
+        self.data = data
+
+    @staticmethod
+    def open(path: str | Path | None, target: tvm.target.Target | None) -> KnobDatabase:
+        """Open `path` (or $TIGHTFIT_KNOB_DATABASE); no path means an empty in-memory database."""
+        path = path or os.environ.get(ENV_VARIABLE)
+        target_key = str(target) if target is not None else "llvm"
+        data = {"format": FORMAT, "targets": {}}
+        if path is not None and Path(path).exists():
+            loaded = json.loads(Path(path).read_text())
+            if loaded.get("format") == FORMAT:
+                data = loaded
+        return KnobDatabase(Path(path) if path else None, target_key, data)
+
+    def _entry(self) -> dict:
+        return self.data["targets"].setdefault(self.target_key, {"tiles": {}, "rates": {}})
+
+    def tile_knobs(self, kind: str, columns: int, row_extent, isa: VectorISA) -> TileKnobs | None:
+        record = self._entry()["tiles"].get(bucket_key(kind, columns, row_extent, isa))
+        if record is None:
+            return None
+        return TileKnobs(int(record["rows"]), int(record["vectors"]),
+                         int(record.get("reduction_unroll", 1)))
+
+    def rates(self) -> dict:
+        return dict(self._entry()["rates"])
+
+    def record_tiles(self, kind: str, columns: int, row_extent, isa: VectorISA, knobs: TileKnobs,
+                     microseconds: float, shape: str) -> None:
+        self._entry()["tiles"][bucket_key(kind, columns, row_extent, isa)] = {
+            "rows": knobs.rows, "vectors": knobs.vectors,
+            "reduction_unroll": knobs.reduction_unroll, "us": round(microseconds, 3),
+            "shape": shape}
+
+    def record_rates(self, rates: dict) -> None:
+        self._entry()["rates"].update(rates)
+
+    def save(self) -> None:
+        if self.path is None:
+            raise ValueError("this knob database has no file; open it with a path to save")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".knobs-")
+        with os.fdopen(handle, "w") as out:
+            json.dump(self.data, out, indent=1, sort_keys=True)
+        os.replace(temporary, self.path)
+
+
+def bucket_key(kind: str, columns: int, row_extent, isa: VectorISA) -> str:
+    vectors = min(8, max(1, -(-int(columns) // isa.lanes)))
+    if isinstance(row_extent, (int, tirx.IntImm)):
+        extent = int(row_extent)
+        rows = "1" if extent <= 1 else str(min(1024, 1 << (extent - 1).bit_length()))
+    else:
+        rows = "dyn"
+    return f"{kind}/v{vectors}/m{rows}"

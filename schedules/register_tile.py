@@ -1,0 +1,168 @@
+"""The register-tile GEMM schedule that every compute-bound tightfit kernel shares.
+
+A kernel compute (schedules/gemm.py, schedules/conv2d.py, schedules/winograd.py) ends in a
+*tiles* block  T[*batch, row, col] = sum_r A(row, r) * B[col-panel, r, col-lane]  (B packed
+offline in panels of NB = vectors x lanes columns) and an *out* block that copies T into the
+model's layout; elementwise epilogues fused after it (bias, BN, ReLU, residual add) are inlined
+into the out block. This module turns that into the classic micro-kernel (Goto/BLIS, as MNN's
+and XNNPack's CPU kernels):
+
+    parallel for (*batch, row tile):            # or (*batch, column panel) when rows are few
+      for column panel:
+        acc[rows][vectors] = 0                  # registers: rows x vectors accumulators
+        for r in reduction:                     # A broadcast, B vectors loaded once per r
+          acc[i][v] += A(row_i, r) * B[panel, r, v]
+        out[...] = epilogue(acc)                # written straight from registers
+
+Two versions cover a symbolic row extent M (dispatch.py picks at run time):
+- ROW_TILES (M >= rows): `rows` rows per tile, the last tile shifted back (tail_tiles.py);
+- SINGLE_ROW (M < rows; a GEMV-like skinny GEMM, a conv output narrower than a tile): one row
+  at a time, parallel over column panels, the row loop cut to M.
+Limits: fp32; the reduction is not blocked for the cache (fine while one B panel, K x NB
+floats, fits in L2: K <= 8192 at NB = 32); no software prefetch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir, tirx
+
+from .isa import VectorISA
+from .tail_tiles import restrict_loop, shift_tail_tile
+
+KERNEL_ANNOTATION = "tightfit.kernel"
+ROWS_ANNOTATION = "tightfit.rows"
+VECTORS_ANNOTATION = "tightfit.vectors"
+# Which axis of the out block's buffer holds the row extent M (the tiles' row axis).
+OUTPUT_ROW_AXIS_ANNOTATION = "tightfit.output_row_axis"
+# Blocks a kernel wants materialized (packing stages), never inlined by the epilogue inliner.
+STAGE_ANNOTATION = "tightfit.stage"
+
+ROW_TILES = "row_tiles"
+SINGLE_ROW = "single_row"
+
+# A parallel loop with fewer iterations than this runs serially: waking the pool costs more.
+MIN_PARALLEL_EXTENT = 2
+
+
+@dataclass(frozen=True)
+class TileKnobs:
+    rows: int  # rows of the register tile (ROW_TILES version)
+    vectors: int  # vector registers across a column panel; NB = vectors * lanes
+    reduction_unroll: int = 1  # innermost reduction loop unrolled by this factor
+
+
+MAX_ROWS = 16
+
+
+def default_tile_knobs(isa: VectorISA, columns: int, row_extent) -> TileKnobs:
+    """The register budget's tile: as many accumulators as fit, no wider than the columns.
+
+    Start from `vectors` = 2 (AVX-512, AVX2) or 4 (NEON: 4-lane registers, 16-wide panels);
+    fewer when the output has fewer columns (16 output channels need one AVX-512 vector, not a
+    half-empty second). Rows fill the remaining registers (rows x vectors + vectors + 1), capped
+    at MAX_ROWS and, when the row extent is a known number, at that extent, so that the tiled
+    version is the one that runs.
+    """
+    vectors = min(4 if isa.lanes == 4 else 2, max(1, -(-columns // isa.lanes)))
+    rows = (isa.registers - 1 - vectors) // vectors
+    rows = min(rows, MAX_ROWS, 8 if vectors > 1 else MAX_ROWS)
+    if isinstance(row_extent, (int, tirx.IntImm)) and int(row_extent) >= 4:
+        rows = min(rows, int(row_extent))
+    return TileKnobs(rows=rows, vectors=vectors)
+
+
+def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_extent,
+                            out_row_axis: int, knobs: TileKnobs, isa: VectorISA,
+                            version: str) -> list[tuple]:
+    """Schedule tiles/out as the micro-kernel above; returns the tail rewrites still to apply.
+
+    The rewrites (`apply_tail_rewrites`) change loop bounds and block bindings, which schedule
+    primitives would reject afterwards, so they run last, on the finished PrimFunc.
+    """
+    loops = sch.get_loops(tiles_block)
+    spatial_count = _spatial_iter_count(sch, tiles_block)
+    spatial, reductions = loops[:spatial_count], loops[spatial_count:]
+    batch, row, col = spatial[:-2], spatial[-2], spatial[-1]
+    col_outer, col_vector, col_lane = sch.split(col, [None, knobs.vectors, isa.lanes])
+    inner_reduction = _split_reduction(sch, reductions, knobs.reduction_unroll)
+    if version == ROW_TILES:
+        row_outer, row_inner = sch.split(row, [None, knobs.rows])
+        sch.reorder(*batch, row_outer, col_outer, *reductions, *inner_reduction, row_inner,
+                    col_vector, col_lane)
+        parallel_loops = [*batch, row_outer]
+        unrolled = [row_inner, col_vector]
+        write_back_at = col_outer
+    else:
+        sch.reorder(*batch, col_outer, row, *reductions, *inner_reduction, col_vector, col_lane)
+        parallel_loops = [*batch, col_outer]
+        unrolled = [col_vector]
+        write_back_at = row
+    sch.reverse_compute_at(out_block, write_back_at)
+    sch.set_scope(tiles_block, 0, "local")
+    _parallelize(sch, parallel_loops)
+    for loop in unrolled + inner_reduction:
+        sch.unroll(loop)
+    sch.vectorize(col_lane)
+    init_block = sch.decompose_reduction(tiles_block, reductions[0])
+    _vectorize_write_back(sch, out_block, isa)
+    if version == ROW_TILES:
+        row_iters = {sch.get(tiles_block).name_hint: spatial_count - 2,
+                     sch.get(init_block).name_hint: spatial_count - 2,
+                     sch.get(out_block).name_hint: out_row_axis}
+        return [("shift", row_iters, knobs.rows, row_extent)]
+    return [("restrict", sch.get(row).loop_var, row_extent)]
+
+
+def apply_tail_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
+    for rewrite in rewrites:
+        if rewrite[0] == "shift":
+            _, row_iters, rows, extent = rewrite
+            func = shift_tail_tile(func, row_iters, rows, extent)
+        else:
+            _, loop_var, extent = rewrite
+            func = restrict_loop(func, loop_var, extent)
+    return func
+
+
+def _split_reduction(sch: s_tir.Schedule, reductions: list, unroll: int) -> list:
+    """Split the innermost reduction loop by `unroll` when it divides evenly (else leave it)."""
+    if unroll <= 1 or not reductions:
+        return []
+    extent = sch.get(reductions[-1]).extent
+    if not isinstance(extent, tirx.IntImm) or extent.value % unroll != 0 or extent.value == unroll:
+        return []
+    outer, inner = sch.split(reductions[-1], [None, unroll])
+    reductions[-1] = outer
+    return [inner]
+
+
+def _parallelize(sch: s_tir.Schedule, loops: list) -> None:
+    if not loops:
+        return
+    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    extent = sch.get(fused).extent
+    if isinstance(extent, tirx.IntImm) and extent.value < MIN_PARALLEL_EXTENT:
+        return
+    sch.parallel(fused)
+
+
+def _vectorize_write_back(sch: s_tir.Schedule, out_block, isa: VectorISA) -> None:
+    """Vectorize the write-back's innermost loop when it is a whole number of vectors or at
+    least half a vector (a conv's rows written along the output's width)."""
+    loops = sch.get_loops(out_block)
+    innermost = loops[-1]
+    extent = sch.get(innermost).extent
+    if not isinstance(extent, tirx.IntImm):
+        return
+    if extent.value % isa.lanes == 0 and extent.value > isa.lanes:
+        _, lane = sch.split(innermost, [None, isa.lanes])
+        sch.vectorize(lane)
+    elif 2 * extent.value >= isa.lanes and extent.value <= isa.lanes:
+        sch.vectorize(innermost)
+
+
+def _spatial_iter_count(sch: s_tir.Schedule, block) -> int:
+    iter_vars = sch.get(block).iter_vars
+    return sum(1 for iv in iter_vars if iv.iter_type == tirx.IterVar.DataPar)

@@ -1,0 +1,127 @@
+"""Schedule every fused PrimFunc that holds a tightfit kernel, one version per shape bucket.
+
+DESIGN.md step 12. The kernels come from passes/select_conv_algorithm.py and
+passes/select_gemm_kernel.py, which emit TE computes whose tiles block carries its kind and
+knobs as block annotations (register_tile.py); FuseTIR keeps block annotations, so after fusion
+this pass finds the tiles block, inlines the fused elementwise epilogue into the kernel's
+write-back, schedules each shape bucket of dispatch.py, and joins the versions with an `if` on
+the run-time extent. PrimFuncs without a kernel block are left to the fallback schedule.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+
+from . import conv2d, gemm
+from .dispatch import join_versions, row_buckets
+from .fallback_cpu import parallelize_outer_loops
+from .isa import VectorISA, isa_for_target
+from .register_tile import (
+    KERNEL_ANNOTATION,
+    OUTPUT_ROW_AXIS_ANNOTATION,
+    ROWS_ANNOTATION,
+    STAGE_ANNOTATION,
+    VECTORS_ANNOTATION,
+    TileKnobs,
+    apply_tail_rewrites,
+    schedule_register_tiles,
+)
+
+REGISTER_TILE_KERNELS = {conv2d.DIRECT, gemm.DENSE, gemm.MATMUL}
+
+
+@tvm.transform.module_pass(opt_level=0, name="tightfit.ScheduleKernels")
+class ScheduleKernels:
+    """Schedule tightfit kernels (and mark them scheduled); leave every other PrimFunc alone."""
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        isa = isa_for_target(tvm.target.Target.current(allow_none=True))
+        mod = mod.clone()
+        for global_var, func in list(mod.functions.items()):
+            if isinstance(func, tirx.PrimFunc) and not _is_scheduled(func):
+                scheduled = schedule_kernel_func(func, isa)
+                if scheduled is not None:
+                    mod[global_var] = scheduled
+        return mod
+
+
+def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA) -> tirx.PrimFunc | None:
+    """The scheduled, version-dispatching PrimFunc, or None when `func` holds no kernel."""
+    found = find_kernel_block(func)
+    if found is None:
+        return None
+    block_name, annotations = found
+    kind = str(annotations[KERNEL_ANNOTATION])
+    rows = int(annotations[ROWS_ANNOTATION])
+    sch = s_tir.Schedule(func)
+    out_block = _single_consumer(sch, sch.get_sblock(block_name))
+    out_buffer = sch.get(out_block).writes[0].source
+    out_row_axis = int(annotations[OUTPUT_ROW_AXIS_ANNOTATION])
+    row_extent = out_buffer.shape[out_row_axis]
+    versions = []
+    for version, condition in row_buckets(row_extent, rows):
+        sch = s_tir.Schedule(func)
+        tiles = sch.get_sblock(block_name)
+        out_block = inline_epilogue(sch, _single_consumer(sch, tiles))
+        if kind in REGISTER_TILE_KERNELS:
+            knobs = TileKnobs(rows, int(annotations[VECTORS_ANNOTATION]),
+                              int(annotations.get("tightfit.reduction_unroll", 1)))
+            rewrites = schedule_register_tiles(sch, tiles, out_block, row_extent, out_row_axis,
+                                               knobs, isa, version)
+        elif kind == conv2d.DEPTHWISE:
+            rewrites = conv2d.schedule_depthwise(sch, tiles, out_block, row_extent, out_row_axis,
+                                                 rows, version)
+        else:
+            raise ValueError(f"no schedule for kernel kind {kind!r} (block {block_name})")
+        parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
+        versions.append((condition, apply_tail_rewrites(sch.mod["main"], rewrites)))
+    return join_versions(versions).with_attr("tirx.is_scheduled", True)
+
+
+def find_kernel_block(func: tirx.PrimFunc) -> tuple[str, dict] | None:
+    if not (isinstance(func.body, s_tir.SBlockRealize) and func.body.block.name_hint == "root"):
+        return None  # library kernels (sort, scan) are one opaque block
+    sch = s_tir.Schedule(func)
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        stmt = sch.get(block)
+        annotations = dict(stmt.annotations)
+        if KERNEL_ANNOTATION in annotations:
+            return stmt.name_hint, annotations
+    return None
+
+
+def inline_epilogue(sch: s_tir.Schedule, out_block):
+    """Inline the chain of elementwise consumers of `out_block` into it (bias, BN, activation,
+    residual add), so the values go from registers to the final output in one store.
+
+    Stops at the first consumer that cannot be inlined (a reduction, a consumer read by several
+    blocks); those are scheduled as ordinary blocks afterwards.
+    """
+    while True:
+        consumers = sch.get_consumers(out_block)
+        if len(consumers) != 1 or STAGE_ANNOTATION in sch.get(consumers[0]).annotations:
+            return out_block
+        try:
+            sch.reverse_compute_inline(consumers[0])
+        except s_tir.ScheduleError:
+            return out_block
+
+
+def _kernel_block_names(sch: s_tir.Schedule, tiles_name: str, out_block) -> frozenset[str]:
+    """The kernel's own blocks: its tiles (update and init) and the write-back under them."""
+    names = {sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))}
+    return frozenset({name for name in names if name.startswith(tiles_name)}
+                     | {sch.get(out_block).name_hint})
+
+
+def _single_consumer(sch: s_tir.Schedule, block):
+    consumers = sch.get_consumers(block)
+    if len(consumers) != 1:
+        raise ValueError(f"kernel block {sch.get(block).name_hint} must have one consumer, "
+                         f"has {len(consumers)}")
+    return consumers[0]
+
+
+def _is_scheduled(func: tirx.PrimFunc) -> bool:
+    return func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))

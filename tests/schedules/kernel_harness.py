@@ -1,0 +1,68 @@
+"""Build one-op Relax modules with symbolic dims, compile them through tightfit's kernel passes
+and compare with a float64 reference: the shared harness of the kernel tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+
+from tightfit.passes import SelectConvAlgorithm, SelectGemmKernel
+from tightfit.schedules import FallbackCPUSchedule, ScheduleKernels
+
+HOST = tvm.target.Target({"kind": "llvm", "num-cores": 2,
+                          "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+
+
+def dims(*names_or_sizes) -> list:
+    """Shape dims: an int stays static, a name becomes a symbolic int64 var (same name, same var)."""
+    made: dict[str, tirx.Var] = {}
+    return [made.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d
+            for d in names_or_sizes]
+
+
+def one_op_module(inputs: list[tuple[str, list]], weights: list[tuple[str, tuple]], build_op) -> tvm.IRModule:
+    """main(inputs..., weights...) = build_op(*vars); weights are params after num_input."""
+    params = [relax.Var(name, relax.TensorType(shape, "float32")) for name, shape in inputs]
+    params += [relax.Var(name, relax.TensorType(list(shape), "float32")) for name, shape in weights]
+    builder = relax.BlockBuilder()
+    with builder.function("main", params, attrs={"num_input": len(inputs)}):
+        with builder.dataflow():
+            out = builder.emit_output(build_op(builder, *params))
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+def compile_with_kernels(mod: tvm.IRModule, target: tvm.target.Target = HOST,
+                         knob_database: str | None = None):
+    passes = [SelectConvAlgorithm(knob_database), SelectGemmKernel(knob_database),
+              relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+              relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
+              ScheduleKernels(), FallbackCPUSchedule()]
+    with target, tvm.transform.PassContext(opt_level=3):
+        for compiler_pass in passes:
+            mod = compiler_pass(mod)
+        return mod, tvm.compile(mod, target)
+
+
+def run(executable, *arrays: np.ndarray) -> np.ndarray:
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in arrays]).numpy()
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, context: str) -> None:
+    assert actual.shape == expected.shape, f"{context}: shape {actual.shape} != {expected.shape}"
+    scale = max(1.0, float(np.abs(expected).max()) if expected.size else 1.0)
+    error = float(np.abs(actual - expected).max()) if expected.size else 0.0
+    assert error <= 1e-4 * scale, f"{context}: max abs error {error} (scale {scale})"
+
+
+def kernel_blocks(mod: tvm.IRModule) -> list[str]:
+    """The tightfit kernel kinds present in the fused, scheduled module."""
+    kinds = []
+    for func in mod.functions.values():
+        if isinstance(func, tirx.PrimFunc) and "tightfit.kernel" in func.script():
+            text = func.script()
+            kinds += [k for k in ("conv2d_direct", "conv2d_depthwise", "dense_packed",
+                                  "matmul_packed_rhs", "winograd") if f'"{k}' in text]
+    return kinds
