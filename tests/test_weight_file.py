@@ -85,10 +85,18 @@ def gemm_model(scale: float = 1.0) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def unpacked_dense_weight(stored: np.ndarray, out_features: int) -> np.ndarray:
+    """The [N, K] weight back from the GEMM kernel's panels [ceil(N / NB), K, NB]."""
+    panels, in_features, panel_width = stored.shape
+    return stored.transpose(0, 2, 1).reshape(panels * panel_width, in_features)[:out_features]
+
+
 def test_weight_transforms_run_at_compile_time_and_are_stored(tmp_path):
     package = tightfit.compile(gemm_model())
     (stored,) = package.weights
-    assert stored.value.shape == (128, 96)  # Gemm's transB done once, offline
+    weight = onnx.numpy_helper.to_array(gemm_model().graph.initializer[0])
+    assert stored.value.ndim == 3  # transB and panel packing done once, offline
+    np.testing.assert_array_equal(unpacked_dense_weight(stored.value, 96), weight)
     package.save(tmp_path / "g.tfpkg")
     x = np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32)
     expected = x @ onnx.numpy_helper.to_array(gemm_model().graph.initializer[0]).T
@@ -107,7 +115,7 @@ def test_changed_source_model_is_detected_and_rebuilt(tmp_path):
     onnx.save(gemm_model(scale=3.0), str(source))
     with pytest.warns(UserWarning, match="source .* has changed"):
         rebuilt = tightfit.load(package_path)
-    np.testing.assert_allclose(rebuilt.weights[0].value.T,
+    np.testing.assert_allclose(unpacked_dense_weight(rebuilt.weights[0].value, 96),
                                onnx.numpy_helper.to_array(gemm_model(scale=3.0).graph.initializer[0]))
 
 
@@ -134,7 +142,7 @@ def test_corrupt_weights_are_never_used(tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.warns(UserWarning, match="does not match its hash"):
         repaired = tightfit.load(package_path, verify=True)
-    np.testing.assert_array_equal(repaired.weights[0].value.T,
+    np.testing.assert_array_equal(unpacked_dense_weight(repaired.weights[0].value, 96),
                                   onnx.numpy_helper.to_array(gemm_model().graph.initializer[0]))
     weights.write_bytes(bytes(data))
     source.unlink()
