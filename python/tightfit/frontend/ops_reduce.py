@@ -7,12 +7,15 @@ selected where d is among the axes; after all dims, every reduced dim holds its 
 and taking the first 1 (reduced) or n (kept) entries of each dim keeps one copy. That is exact for
 reductions that compose over dims (sum, mean, max, min, prod); the others are written in terms
 of them (sum of squares, L1, L2, log-sum, log-sum-exp stabilized by the max). Axes must not
-repeat (ONNX forbids it): with keepdims=0 the output rank is the input rank minus their count.
+repeat (ONNX forbids it): with keepdims=0 the output rank is the input rank minus their count,
+so that count must be static; with keepdims=1 it may be computed too (ONNX's function bodies
+reduce over `Range(axis, Size(Shape(x)))`). An empty axes tensor reduces every dim unless
+noop_with_empty_axes is set.
 """
 
 from __future__ import annotations
 
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
@@ -23,15 +26,18 @@ _COMPOSING = {"sum": relax.op.sum, "mean": relax.op.mean, "max": relax.op.max,
 
 
 def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.Expr, kind: str,
-                         keepdims: bool) -> relax.Expr:
+                         keepdims: bool, noop_with_empty_axes: bool) -> relax.Expr:
     rank = len(data.ty.shape.values)
     axes = bb.emit(relax.op.astype(axes, "int64"))
     axes = bb.emit(relax.op.where(relax.op.less(axes, relax.const(0, "int64")),
                                   relax.op.add(axes, relax.const(rank, "int64")), axes))
     dims = relax.const(list(range(rank)), "int64")
-    matches = relax.op.equal(relax.op.expand_dims(axes, 1), dims)  # [len(axes), rank]
-    reduced = bb.emit(relax.op.greater(relax.op.sum(relax.op.astype(matches, "int64"), axis=[0]),
+    matches = relax.op.astype(relax.op.equal(relax.op.expand_dims(axes, 1), dims), "int64")
+    reduced = bb.emit(relax.op.greater(relax.op.sum(matches, axis=[0]),
                                        relax.const(0, "int64")))  # [rank] bool
+    if not noop_with_empty_axes:  # no axes at run time: every dim
+        no_axes = relax.op.equal(relax.op.sum(matches), relax.const(0, "int64"))
+        reduced = bb.emit(relax.op.logical_or(reduced, no_axes))
 
     def compose(x: relax.Expr, op) -> relax.Expr:
         for dim in range(rank):
@@ -60,11 +66,19 @@ def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.E
     if keepdims:
         return result
     # Kept dims first, in order: sort by (reduced, position); the first rank - len(axes) remain.
-    remaining = rank - int(axes.ty.shape.values[0])
+    remaining = rank - _static_length(axes)
     order = relax.op.add(relax.op.multiply(relax.op.astype(reduced, "int64"), relax.const(rank, "int64")), dims)
     kept = relax.op.strided_slice(relax.op.argsort(order, dtype="int64"), axes=[0], begin=[0], end=[remaining])
     out_shape = bb.emit(relax.op.take(input_shape, kept, axis=0))
     return named_dims(bb, bb.emit(relax.op.reshape(result, runtime_shape(bb, out_shape))), "kept_dim")
+
+
+def _static_length(vector: relax.Expr) -> int:
+    """The length of a 1-D tensor, which must be known when the model is compiled."""
+    shape = vector.ty.shape
+    if shape is None or not isinstance(shape.values[0], tirx.IntImm):
+        raise ValueError("a reduction with keepdims=0 needs the number of axes to be static")
+    return int(shape.values[0])
 
 
 def _runtime_axes_converter(base: type, kind: str, version: int) -> type:
@@ -72,11 +86,13 @@ def _runtime_axes_converter(base: type, kind: str, version: int) -> type:
 
     def convert(cls, bb, inputs, attr, params):
         axes = get_constant(inputs[1], params) if len(inputs) > 1 and inputs[1] is not None else None
-        if is_runtime_tensor(axes) and int(axes.ty.shape.values[0]) == 0:
+        if (is_runtime_tensor(axes) and axes.ty.shape is not None
+                and isinstance(axes.ty.shape.values[0], tirx.IntImm) and int(axes.ty.shape.values[0]) == 0):
             inputs = inputs[:1]  # no axes is known statically: ONNX's "all dims" or a no-op
         if not is_runtime_tensor(axes) or len(inputs) == 1:
             return getattr(super(subclass, cls), f"_impl_v{version}")(bb, inputs, attr, params)
-        return _reduce_runtime_axes(bb, inputs[0], axes, kind, bool(attr.get("keepdims", 1)))
+        return _reduce_runtime_axes(bb, inputs[0], axes, kind, bool(attr.get("keepdims", 1)),
+                                    bool(attr.get("noop_with_empty_axes", 0)))
 
     subclass = type(base.__name__, (base,), {
         "__doc__": f"{base.__name__} with axes computed at run time (see module docstring).",

@@ -1,0 +1,51 @@
+"""Tensor-manipulation ops whose TVM 0.27 converters stop short of the ONNX specification.
+
+- `Split` with its sizes given as a tensor computed at run time (opset 13+; TVM: "Dynamic Split
+  not yet supported"). ONNX's RotaryEmbedding function body and exporters that split by a
+  computed head size produce them. Each output is a `take` of offset + arange(size) along the
+  axis, so its length along the axis is a fresh symbol bound at run time.
+- `Split` into `num_outputs` parts that do not divide the axis (opset 18): every part but the
+  last has ceil(dim / num_outputs) elements; TVM asks for equal parts.
+"""
+
+from __future__ import annotations
+
+from tvm import relax, tirx
+from tvm.relax.frontend.onnx import onnx_frontend
+from tvm.relax.frontend.onnx.onnx_frontend import get_constant
+
+from .ops_shape import is_runtime_tensor, runtime_arange
+
+
+class Split(onnx_frontend.Split):
+    """Split by sizes known only at run time, or into uneven `num_outputs` parts."""
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data = inputs[0]
+        sizes = get_constant(inputs[1], params) if len(inputs) > 1 and inputs[1] is not None else None
+        axis = attr.get("axis", 0) % data.ty.ndim
+        if is_runtime_tensor(sizes) and sizes.ty.ndim == 1:
+            return cls._split_at_run_time(bb, data, sizes, axis, attr["tvm_custom"]["num_outputs"])
+        parts = attr.get("num_outputs")
+        dim = data.ty.shape.values[axis] if data.ty.shape is not None else None
+        if sizes is None and parts is not None and isinstance(dim, tirx.IntImm) and int(dim) % parts:
+            chunk = -(-int(dim) // parts)
+            return relax.op.split(data, [chunk * (part + 1) for part in range(parts - 1)], axis)
+        return super()._impl_v13(bb, inputs, attr, params)
+
+    @staticmethod
+    def _split_at_run_time(bb, data, sizes, axis: int, outputs: int) -> relax.Tuple:
+        sizes = bb.emit(relax.op.astype(sizes, "int64"))
+        ends = bb.emit(relax.op.cumsum(sizes, axis=0))
+        parts = []
+        for part in range(outputs):
+            index = relax.const(part, "int64")
+            length = relax.op.take(sizes, index, axis=0)
+            start = relax.op.subtract(relax.op.take(ends, index, axis=0), length)
+            offsets = runtime_arange(bb, bb.emit(length), f"split{part}_")
+            parts.append(bb.emit(relax.op.take(data, relax.op.add(offsets, start), axis=axis)))
+        return relax.Tuple(parts)
+
+
+CONVERTERS = {"Split": Split}
