@@ -155,6 +155,12 @@ class SymbolTable:
         self._bound(b)
         return bool(self.analyzer.can_prove_equal(a, b))
 
+    def _equal_when_nonempty(self, a, b) -> bool:
+        analyzer = tvm.sym.Analyzer()
+        for var in set(self.free_symbols(a)) | set(self.free_symbols(b)):
+            analyzer.update(var, tvm.sym.ConstIntBound(1, tvm.sym.ConstIntBound.POS_INF))
+        return bool(analyzer.can_prove_equal(a, b))
+
     def prove(self, condition) -> bool:
         self._bound(condition)
         return bool(self.analyzer.can_prove(condition))
@@ -234,6 +240,8 @@ class SymbolTable:
             return  # a contradiction: no run gets here; the first fact is kept
         if self.derivation_scope:
             return  # holds only in the runs that take some If branch: not worth stating
+        if self._equal_when_nonempty(a, b):
+            return  # e.g. truncated and floored division of `time - 1`: differ only at time 0
         if not any(self.equal(a, x) and self.equal(b, y) or self.equal(a, y) and self.equal(b, x)
                    for x, y, _ in self.equalities):
             self.equalities.append((a, b, where))

@@ -55,8 +55,11 @@ def observe(value) -> Observation:
 
 
 def with_probes(mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
-    """A copy of `mod` whose `function` reports every binding to PROBE_FUNCTION."""
-    mod = relax.transform.ToNonDataflow()(mod)
+    """A copy of `mod` whose `function` reports every binding to PROBE_FUNCTION.
+
+    Probes are impure, so dataflow blocks become plain blocks and their variables plain
+    variables of the same names (TVM's ToNonDataflow would also re-normalize, adding bindings
+    whose names clash with existing ones)."""
     func = mod[function]
     names = [binding.var.name for binding in _bindings(func.body)]
     repeated = sorted({name for name in names if names.count(name) > 1})
@@ -64,10 +67,10 @@ def with_probes(mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         raise ValueError(f"bindings {repeated} share names; run ClassifyDynamism (or RDP) first, "
                          "which makes them unique")
     builder = relax.BlockBuilder()
+    renamed: dict = {}
 
-    def probe(binding):
-        call = relax.Call(relax.ExternFunc(PROBE_FUNCTION),
-                          [tvm.ir.StringImm(binding.var.name), binding.var], None,
+    def probe(var):
+        call = relax.Call(relax.ExternFunc(PROBE_FUNCTION), [tvm.ir.StringImm(var.name), var], None,
                           [relax.TupleType([])])
         call = builder.normalize(call)
         return relax.VarBinding(relax.Var("_probe", call.ty), call)
@@ -76,19 +79,43 @@ def with_probes(mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         bindings = []
         for block in seq.blocks:
             for binding in block.bindings:
-                value = binding.value
-                if isinstance(value, relax.If):
-                    value = relax.If(value.cond, rebuild(value.true_branch), rebuild(value.false_branch))
-                    binding = relax.VarBinding(binding.var, value)
-                bindings.append(binding)
-                if not isinstance(binding.var.ty, relax.FuncType):
-                    bindings.append(probe(binding))
-        return relax.SeqExpr([relax.BindingBlock(bindings)], seq.body)
+                value = _substitute(binding.value, renamed, rebuild)
+                var = relax.Var(binding.var.name, binding.var.ty)
+                renamed[binding.var] = var
+                if isinstance(binding, relax.MatchCast):
+                    bindings.append(relax.MatchCast(var, value, binding.ty))
+                else:
+                    bindings.append(relax.VarBinding(var, value))
+                if not isinstance(var.ty, relax.FuncType):
+                    bindings.append(probe(var))
+        return relax.SeqExpr([relax.BindingBlock(bindings)], _substitute(seq.body, renamed, rebuild))
 
     probed = relax.Function(func.params, rebuild(func.body), func.ret_ty, False, func.attrs)
     result = mod.clone()
     result[function] = probed
     return result
+
+
+def _substitute(expr, renamed: dict, rebuild):
+    """`expr` with the variables of `renamed` replaced (branches of an If rebuilt)."""
+    if isinstance(expr, relax.Var) and expr in renamed:
+        return renamed[expr]
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) \
+            and expr.op.name.startswith("relax."):
+        return relax.Call(expr.op, [_substitute(arg, renamed, rebuild) for arg in expr.args],
+                          expr.attrs, expr.ty_args)
+    if isinstance(expr, relax.Call) and not isinstance(expr.op, tvm.ir.Op):
+        return relax.Call(_substitute(expr.op, renamed, rebuild),
+                          [_substitute(arg, renamed, rebuild) for arg in expr.args], expr.attrs,
+                          expr.ty_args)
+    if isinstance(expr, relax.Tuple):
+        return relax.Tuple([_substitute(field, renamed, rebuild) for field in expr.fields])
+    if isinstance(expr, relax.TupleGetItem):
+        return relax.TupleGetItem(_substitute(expr.tuple_value, renamed, rebuild), expr.index)
+    if isinstance(expr, relax.If):
+        return relax.If(_substitute(expr.cond, renamed, rebuild), rebuild(expr.true_branch),
+                        rebuild(expr.false_branch))
+    return expr  # constants, shapes and scalars over symbols, parameters, functions
 
 
 def _bindings(seq: relax.SeqExpr):

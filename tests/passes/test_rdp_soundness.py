@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tvm import tirx
 
 import rdp_models
-from predictions import Check
+from predictions import Check, Unbound, evaluate
 from shape_probe import ShapeProbe
 from test_shape_probe import normalized
 from tightfit.feeds import random_feeds
@@ -73,7 +73,11 @@ ZOO_INPUTS = {
     "transformer_encoder": _tokens,
     "detector_fpn": _images(st.integers(2, 12).map(lambda i: 4 * i), st.integers(2, 12).map(lambda i: 4 * i)),
     "speech_encoder": lambda draw: {"features": _randn(draw, (draw(st.integers(1, 2)), draw(st.integers(4, 64)), 40))},
+    "torch_transformer_layers": lambda draw: {"x": _randn(draw, (draw(st.integers(1, 3)), draw(st.integers(1, 16)), 32))},
 }
+# The dynamo exports of the PyTorch models take the same inputs as the TorchScript ones.
+ZOO_INPUTS.update({f"{name}_dynamo": ZOO_INPUTS[name]
+                   for name in ("transformer_encoder", "detector_fpn", "speech_encoder")})
 
 
 def _zoo_inputs(name: str):
@@ -120,6 +124,20 @@ def compare(check: Check, name: str, fact, observation) -> None:
             compare(check, f"{name}[{index}]", field, seen)
 
 
+def proven_equalities(result) -> list:
+    """The symbolic equalities RDP proved (solved cut symbols, and equalities it had to keep):
+    each must hold at run time too."""
+    symbols = result.symbols
+    pairs = [(var, symbols.normalize(var)) for var in symbols.solved]
+    pairs += [(a, b) for a, b, _ in symbols.equalities]
+    return [(a, b) for a, b in pairs if _integer(a) and _integer(b)]
+
+
+def _integer(expr) -> bool:
+    ty = getattr(expr, "ty", None)
+    return ty is not None and str(getattr(ty, "dtype", "")).startswith("int")
+
+
 @pytest.mark.parametrize("name, build, draw_inputs", MODELS, ids=[m[0] for m in MODELS])
 def test_rdp_predictions_hold_at_every_drawn_input(name, build, draw_inputs):
     model = build()
@@ -152,6 +170,14 @@ def test_rdp_predictions_hold_at_every_drawn_input(name, build, draw_inputs):
             if binding in facts:
                 compare(check, binding, facts[binding], observation)
         check.finish()
+        for lhs, rhs in proven_equalities(result):
+            try:  # a cut symbol no observation bound (substituted everywhere) cannot be checked
+                left, right = evaluate(lhs, check.env), evaluate(rhs, check.env)
+            except Unbound:
+                continue
+            check.compared += 1
+            if left != right:
+                check.mismatches.append(("equality", f"{lhs} == {rhs}", left, right))
         shapes = {input_name: feeds[input_name].shape for input_name in inputs}
         assert not check.mismatches, f"{name} at {shapes}: RDP predicted wrongly: {check.mismatches}"
         assert check.compared > 0

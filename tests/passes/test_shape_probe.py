@@ -4,6 +4,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tvm
+from tvm import relax
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,7 +52,12 @@ def test_probe_records_values_of_shape_tensors_and_shapes():
 
 
 def test_probe_refuses_modules_whose_binding_names_repeat():
-    mod = import_onnx(rdp_models.nonzero_rows_tied()).mod  # the importer names two bindings lv
+    ty = relax.TensorType([2], "float32")
+    x, first, second = relax.Var("x", ty), relax.Var("lv", ty), relax.Var("lv", ty)
+    body = relax.SeqExpr([relax.BindingBlock([relax.VarBinding(first, relax.op.negative(x)),
+                                              relax.VarBinding(second, relax.op.negative(first))])],
+                         second)
+    mod = tvm.IRModule({"main": relax.Function([x], body, ty)})
     with pytest.raises(ValueError, match="share names"):
         with_probes(mod)
 
