@@ -16,6 +16,8 @@ constant" if every shape in it is a constant, "mixed" otherwise.
 
 The docs page docs/dynamism-classes.md is generated from passes/classify_dynamism.py:
     python -m tightfit.dynamism --write-docs docs/dynamism-classes.md   (or --check-docs)
+The nac counts before and after RDP for every zoo model (bench/results/rdp.md):
+    python -m tightfit.dynamism --zoo-table bench/results/rdp.md
 """
 
 from __future__ import annotations
@@ -235,6 +237,23 @@ def format_report(report: RDPReport, changed_only: bool = False) -> str:
     return "\n".join(lines)
 
 
+def zoo_rdp_table(model_names: list[str]) -> str:
+    """Markdown: per zoo model, tensors with nac shapes and nac dims, Relax's inference vs RDP."""
+    from .testing import zoo
+
+    lines = ["| model | tensors | nac tensors (Relax / RDP) | nac dims (Relax / RDP) "
+             "| nac shape values (Relax / RDP) | sub-graphs after RDP (constant / mixed / cut) |",
+             "|---|---|---|---|---|---|"]
+    for name in model_names:
+        report = rdp_report(zoo.get(name).build())
+        before, after = report.before, report.after
+        subgraphs = " / ".join(str(after.subgraphs[kind]) for kind in SUBGRAPH_KINDS)
+        lines.append(f"| {name} | {len(report.rows)} | {before.tensors['nac']} / {after.tensors['nac']} "
+                     f"| {before.nac_dims} / {after.nac_dims} "
+                     f"| {before.nac_shape_values} / {after.nac_shape_values} | {subgraphs} |")
+    return "\n".join(lines) + "\n"
+
+
 # --- the docs page ---------------------------------------------------------------------------------
 
 def dynamism_classes_markdown() -> str:
@@ -275,7 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write-docs", metavar="PATH", help="write the dynamism class table")
     group.add_argument("--check-docs", metavar="PATH", help="exit 1 if PATH differs from the tables")
+    group.add_argument("--zoo-table", metavar="PATH",
+                       help="write the nac counts before and after RDP for every zoo model")
     args = parser.parse_args(argv)
+    if args.zoo_table:
+        from .testing import zoo
+
+        Path(args.zoo_table).write_text(zoo_rdp_table(zoo.names()))
+        return 0
     text = dynamism_classes_markdown()
     if args.write_docs:
         Path(args.write_docs).write_text(text)

@@ -78,6 +78,7 @@ ZOO_INPUTS = {
 # The dynamo exports of the PyTorch models take the same inputs as the TorchScript ones.
 ZOO_INPUTS.update({f"{name}_dynamo": ZOO_INPUTS[name]
                    for name in ("transformer_encoder", "detector_fpn", "speech_encoder")})
+ZOO_INPUTS.update({case.name: case.draw_inputs for case in rdp_models.CASES})
 
 
 def _zoo_inputs(name: str):
@@ -93,7 +94,6 @@ def _zoo_inputs(name: str):
 
 
 MODELS = [(name, (lambda name=name: zoo.get(name).build()), _zoo_inputs(name)) for name in zoo.names()]
-MODELS += [(case.name, case.build, case.draw_inputs) for case in rdp_models.CASES]
 
 
 def compare(check: Check, name: str, fact, observation) -> None:

@@ -21,6 +21,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..examples.make_examples import convnet_dynamic
+from . import rdp_cases
 
 OPSET = 17
 DYNAMO_OPSET = 18  # the dynamo exporter's own default
@@ -158,12 +159,12 @@ def gated_skip_block() -> onnx.ModelProto:
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 16, 16])])
 
 
-def _gated_feeds(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """Drive the gate both ways: positive mean for an even batch size, negative for odd."""
+def _signed_feeds(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Drive an If on mean(x) > 0 both ways: positive mean for an even batch size, negative for odd."""
     shape = shapes["x"]
     rng = np.random.default_rng(shape[0])
     sign = 1.0 if shape[0] % 2 == 0 else -1.0
-    return {"x": (rng.standard_normal(shape) + sign).astype(np.float32)}
+    return {"x": (rng.standard_normal(shape) + 2 * sign).astype(np.float32)}
 
 
 def nonzero_gather() -> onnx.ModelProto:
@@ -358,7 +359,7 @@ _MODELS = [
     ZooModel(name="conv_dynamic_hw", build=conv_dynamic_hw, feeds=None, dynamic=True,
              shape_sets=[{"image": (1, 3, 32, 32)}, {"image": (1, 3, 45, 61)}, {"image": (1, 3, 64, 20)}],
              description="fully convolutional net, dynamic H/W"),
-    ZooModel(name="gated_skip_block", build=gated_skip_block, feeds=_gated_feeds, dynamic=True,
+    ZooModel(name="gated_skip_block", build=gated_skip_block, feeds=_signed_feeds, dynamic=True,
              shape_sets=[{"x": (2, 8, 16, 16)}, {"x": (1, 8, 16, 16)}, {"x": (3, 8, 16, 16)}],
              description="If on a data-dependent gate (both branches exercised)"),
     ZooModel(name="nonzero_gather", build=nonzero_gather, feeds=None, dynamic=True,
@@ -390,6 +391,21 @@ _MODELS = [
     ZooModel(name="torch_transformer_layers", build=torch_transformer_layers, feeds=None,
              dynamic=True, shape_sets=[{"x": (1, 5, 32)}, {"x": (3, 12, 32)}],
              description="PyTorch nn.TransformerEncoder (fused MHA) exported by dynamo"),
+]
+# Cases where RDP's backward propagation and Merge matter (rdp_cases.py says what each shows).
+_MODELS += [
+    ZooModel(name="reshape_to_computed_shape", build=rdp_cases.reshape_to_computed_shape, feeds=None,
+             dynamic=True, shape_sets=[{"x": (1, 4, 16)}, {"x": (3, 10, 16)}],
+             description="Reshape to targets computed from the input's shape"),
+    ZooModel(name="nonzero_rows_tied", build=rdp_cases.nonzero_rows_tied, feeds=None, dynamic=True,
+             shape_sets=[{"x": (3, 4), "v": (3, 8)}, {"x": (7, 4), "v": (7, 8)}],
+             description="NonZero count tied to an input dim by MatMul"),
+    ZooModel(name="if_same_symbolic_shape", build=rdp_cases.if_same_symbolic_shape, feeds=_signed_feeds,
+             dynamic=True, shape_sets=[{"x": (2, 6)}, {"x": (1, 6)}, {"x": (3, 6)}],
+             description="If whose branches give the same symbolic shape"),
+    ZooModel(name="if_different_shapes", build=rdp_cases.if_different_shapes, feeds=_signed_feeds,
+             dynamic=True, shape_sets=[{"x": (2, 6)}, {"x": (1, 6)}, {"x": (3, 6)}],
+             description="If whose branches give different shapes (data-dependent dim)"),
 ]
 _BY_NAME = {model.name: model for model in _MODELS}
 
