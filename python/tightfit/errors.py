@@ -82,3 +82,9 @@ class StalePackageError(PackageError):
 
 class CorruptPackageError(PackageError):
     """A package file is truncated, unreadable, or fails its hash."""
+
+
+class DeviceError(TightfitError):
+    """An RPC tracker, device or tuning session that cannot do what was asked."""
+
+    exit_code = 8

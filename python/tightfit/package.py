@@ -77,7 +77,7 @@ def _file_sha256(path: str | Path) -> str:
 class Package:
     """A compiled model: executable, weights and the facts needed to check inputs and rebuild."""
 
-    executable: tvm.runtime.Module | relax.VMExecutable
+    executable: tvm.runtime.Module | relax.VMExecutable | None  # None: a device's library, not loaded here
     weights: list[WeightTensor]
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
@@ -93,6 +93,18 @@ class Package:
 
         return Session(self, **options)
 
+    def remote_session(self, tracker: str, key: str, session_timeout_s: float = 600.0) -> "Session":  # noqa: F821
+        """A session that runs this package on a device under `key` at the RPC `tracker` (HOST:PORT):
+        the library is uploaded, the weights copied to the device once."""
+        from .device_rpc import remote
+        from .device_rpc.tracker import TrackerAddress
+        from .session import Session
+
+        device = remote.connect(TrackerAddress.parse(tracker), key, session_timeout_s)
+        with tempfile.TemporaryDirectory(prefix="tightfit-upload-") as folder:
+            module = device.load_library(self.export_library(Path(folder) / LIBRARY))
+        return Session(self, device=device.device, executable=module, remote=device)
+
     def save(self, path: str | Path) -> Path:
         """Write the package to `path` (a directory, conventionally `*.tfpkg`) atomically."""
         destination = Path(path)
@@ -106,8 +118,26 @@ class Package:
         self.path = destination
         return destination
 
+    @property
+    def runs_on_host(self) -> bool:
+        """False for a package cross-compiled for a device (run it there over RPC)."""
+        return not self.target.get("cross_compiler")
+
+    def export_library(self, path: str | Path) -> Path:
+        """The compiled library as one shared object, linked for the target's machine."""
+        if self.executable is None:  # loaded from a device package: the file is already linked
+            shutil.copyfile(self.path / LIBRARY, path)
+            return Path(path)
+        fcompile = None
+        if not self.runs_on_host:
+            from .device_rpc.devices import export_function
+
+            fcompile = export_function(self.target["cross_compiler"], self.target["name"])
+        self.executable.export_library(str(path), fcompile=fcompile)
+        return Path(path)
+
     def _write_contents(self, directory: Path) -> None:
-        self.executable.export_library(str(directory / LIBRARY))
+        self.export_library(directory / LIBRARY)
         stats = write_weight_file(directory / WEIGHTS, self.weights, self.provenance())
         self.report["weight_file"] = asdict(stats)
         manifest = {
@@ -173,7 +203,9 @@ def load_package(path: str | Path, verify: bool = False, source: str | Path | No
     keys = _keys_by_tensor(weight_file.header)
     report_path = directory / REPORT
     return Package(
-        executable=tvm.runtime.load_module(str(directory / LIBRARY)),
+        # A device's library cannot be loaded here: it is uploaded from the package at run time.
+        executable=(tvm.runtime.load_module(str(directory / LIBRARY))
+                    if not manifest["target"].get("cross_compiler") else None),
         weights=[WeightTensor(name, value, keys[name]) for name, value in weight_file.arrays().items()],
         inputs=[TensorSpec.from_json(spec) for spec in manifest["inputs"]],
         outputs=[TensorSpec.from_json(spec) for spec in manifest["outputs"]],

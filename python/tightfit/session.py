@@ -1,4 +1,7 @@
-"""Running a compiled package on the host: input checks, the Relax VM, outputs as numpy.
+"""Running a compiled package: input checks, the Relax VM, outputs as numpy.
+
+On the host, or on a device over RPC (`Package.remote_session`): then the VM, the library and
+the weights live on the device and only inputs and outputs cross the connection.
 
 One session serves every input shape the model's symbolic dims allow, with no recompilation.
 Inputs are checked against the ONNX declaration before anything runs, so a wrong name, rank, dim
@@ -11,17 +14,24 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .errors import InputError
+from .errors import InputError, TargetError
 from .frontend import TensorSpec
 
 
 class Session:
     """Runs one package; create it with `Package.session()`."""
 
-    def __init__(self, package, device: tvm.runtime.Device | None = None):
+    def __init__(self, package, device: tvm.runtime.Device | None = None, executable=None,
+                 remote=None):
+        executable = executable or package.executable
+        if executable is None:
+            raise TargetError(f"this package is compiled for {package.target['name']}, not for this machine: "
+                              "run it there, e.g. `tightfit run PACKAGE --rpc-tracker HOST:PORT --rpc-key KEY` "
+                              "or Package.remote_session(tracker, key)")
         self.package = package
         self.device = device or tvm.cpu()
-        self._vm = relax.VirtualMachine(package.executable, self.device)
+        self.remote = remote  # the RPC session, kept open as long as this session lives
+        self._vm = relax.VirtualMachine(executable, self.device)
         self._weights = [device_tensor(weight.value, self.device) for weight in package.weights]
 
     @property

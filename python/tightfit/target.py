@@ -2,14 +2,17 @@
 
 `"host"` is this machine's CPU (its LLVM CPU name and core count); anything else is a TVM target
 given as a dict or JSON string, e.g. `{"kind": "llvm", "mtriple": "aarch64-linux-gnu",
-"mattr": ["+neon"]}`. Device presets (phones and boards) come with the device issue.
+"mattr": ["+neon"]}`, or a device: a preset name (`tightfit devices` lists them) or a device
+description .json file (see tightfit.device_rpc.devices). A device's library is linked by its
+cross compiler; a bare target dict for another CPU family gets the Arm64 Linux one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import platform
+from dataclasses import dataclass, replace
 
 import tvm
 
@@ -23,13 +26,21 @@ class CompileTarget:
     name: str
     tvm_target: tvm.target.Target
     num_threads: int
+    cross_compiler: str | None = None  # links the exported library; None: the host's compiler
 
     @property
     def is_host(self) -> bool:
         return self.name == "host"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "tvm_target": str(self.tvm_target), "num_threads": self.num_threads}
+        return {"name": self.name, "tvm_target": str(self.tvm_target), "num_threads": self.num_threads,
+                "cross_compiler": self.cross_compiler}
+
+    @property
+    def runs_on_host(self) -> bool:
+        """Whether this machine can run what is compiled for the target."""
+        triple = str(self.tvm_target.attrs.get("mtriple", ""))
+        return not triple or triple.split("-")[0] == platform.machine()
 
 
 def host_thread_count() -> int:
@@ -46,6 +57,8 @@ def resolve_target(target: str | dict | CompileTarget = "host") -> CompileTarget
         cpu = tvm.target.codegen.llvm_get_system_cpu()
         return CompileTarget("host", tvm.target.Target({"kind": "llvm", "mcpu": cpu,
                                                         "num-cores": threads}), threads)
+    if isinstance(target, str) and not target.lstrip().startswith("{"):
+        return _device_target(target)
     if isinstance(target, str):
         try:
             target = json.loads(target)
@@ -59,4 +72,20 @@ def resolve_target(target: str | dict | CompileTarget = "host") -> CompileTarget
     except Exception as err:  # TVM raises its own error types for bad target dicts
         raise TargetError(f"TVM rejects target {target}: {err}") from err
     threads = int(tvm_target.attrs.get("num-cores", 0)) or host_thread_count()
-    return CompileTarget(json.dumps(target, sort_keys=True), tvm_target, threads)
+    compile_target = CompileTarget(json.dumps(target, sort_keys=True), tvm_target, threads)
+    if not compile_target.runs_on_host and "aarch64" in str(tvm_target.attrs.get("mtriple", "")):
+        return replace(compile_target, cross_compiler="aarch64-linux-gnu-g++")
+    return compile_target
+
+
+def _device_target(name_or_path: str) -> CompileTarget:
+    from .device_rpc.devices import load_device
+
+    try:
+        device = load_device(name_or_path)
+    except TargetError as err:
+        raise TargetError(f"{err}; or use 'host', or a TVM target as JSON, e.g. "
+                          '\'{"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}\'') from None
+    tvm_target = tvm.target.Target(device.target)
+    threads = int(tvm_target.attrs.get("num-cores", 0)) or 1
+    return CompileTarget(device.name, tvm_target, threads, device.cross_compiler)
