@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import DeviceError
-from .tracker import TrackerAddress, free_port, wait_for_key
+from .tracker import (TrackerAddress, check_reachable, free_port, start_tracker, stop_process_group,
+                      wait_for_key)
 
 TVM_VERSION = "0.27.0.post1"
 TVM_FFI_VERSION = "0.1.14.post1"  # 0.1.15.post2 segfaults in tvm.ir.save_json (MetaSchedule)
@@ -207,7 +207,7 @@ def start(key: str, tracker: TrackerAddress, threads: int = 2, progress=print) -
         wait_for_key(tracker, key, minimum=len(running(key)) + 1, timeout_s=SERVER_START_TIMEOUT_S,
                      alive=lambda: process.poll() is None)
     except DeviceError as err:
-        _kill_group(process.pid)
+        stop_process_group(process.pid)
         raise DeviceError(f"{err}; the server's log ({log}) ends with:\n{_tail(log)}") from None
     server = EmulatedServer(key, process.pid, port, str(tracker), str(log), time.monotonic() - launched)
     (_state_dir() / f"{key}-{port}.json").write_text(json.dumps(asdict(server)))
@@ -215,34 +215,31 @@ def start(key: str, tracker: TrackerAddress, threads: int = 2, progress=print) -
 
 
 def stop(key: str) -> list[EmulatedServer]:
-    """End every server started here under `key`; returns them."""
+    """End every server started here under `key`, and the tracker `ensure_tracker` started once
+    no server started here is left; returns the servers."""
     servers = running(key)
     for server in servers:
-        _kill_group(server.pid)
+        stop_process_group(server.pid)
         (_state_dir() / f"{server.key}-{server.port}.json").unlink(missing_ok=True)
+    tracker_record = _state_dir() / "tracker.pid"
+    if not running() and tracker_record.exists():
+        stop_process_group(int(tracker_record.read_text()))
+        tracker_record.unlink()
     return servers
 
 
-def _kill_group(pid: int, grace_s: float = 5.0) -> None:
+def ensure_tracker(tracker: TrackerAddress, progress=print) -> bool:
+    """Start a tracker at a loopback address where none answers; True if one was started."""
     try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
-        try:  # reap it if it is our own child
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        check_reachable(tracker)
+        return False
+    except DeviceError:
+        if tracker.host not in ("127.0.0.1", "localhost"):
+            raise
+    progress(f"emulated-arm64: no tracker answers at {tracker}; starting one there")
+    process = start_tracker(tracker.port, tracker.host, log=_state_dir() / "tracker.log")
+    (_state_dir() / "tracker.pid").write_text(str(process.pid))
+    return True
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -6,12 +6,16 @@ device serves waits forever. Here every call checks first and fails in seconds w
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import DeviceError
 
@@ -119,16 +123,21 @@ def free_port(start: int) -> int:
     raise DeviceError(f"no free port in {start}..{start + 999}")
 
 
-def start_tracker(port: int, host: str = "127.0.0.1", timeout_s: float = 30.0) -> subprocess.Popen:
-    """A TVM RPC tracker in its own process group; returns once it answers."""
-    process = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", host,
-                                "--port", str(port), "--port-end", str(port + 1)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+def start_tracker(port: int, host: str = "127.0.0.1", log: Path | None = None,
+                  timeout_s: float = 30.0) -> subprocess.Popen:
+    """A TVM RPC tracker in its own process group (it outlives this process); returns once it
+    answers. Its output goes to `log` (discarded without one)."""
+    output = open(log, "w") if log is not None else subprocess.DEVNULL
+    with output if log is not None else contextlib.nullcontext():
+        process = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", host,
+                                    "--port", str(port), "--port-end", str(port + 1)],
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     address = TrackerAddress(host, port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise DeviceError(f"the tracker exited: {process.stderr.read().decode(errors='replace')[-1000:]}")
+            raise DeviceError(f"the tracker on {address} exited at start (exit {process.returncode})"
+                              + (f"; see {log}" if log else ""))
         try:
             check_reachable(address)
             return process
@@ -136,3 +145,27 @@ def start_tracker(port: int, host: str = "127.0.0.1", timeout_s: float = 30.0) -
             time.sleep(0.2)
     process.kill()
     raise DeviceError(f"the tracker on {address} did not answer within {timeout_s:.0f} s")
+
+
+def stop_process_group(pid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM to the group `pid` leads (TVM's servers fork workers that hold ports), SIGKILL after
+    `grace_s`."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        try:  # reap it if it is our own child
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

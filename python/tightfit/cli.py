@@ -1,4 +1,4 @@
-"""The `tightfit` command: compile, run, bench and inspect ONNX models.
+"""The `tightfit` command: compile, run, bench, inspect and tune ONNX models; devices over RPC.
 
 Errors tightfit raises on purpose print as one line (`error: ...`) and exit with the error's
 code (see `tightfit.errors`); `--verbose` adds the traceback. `--json` prints machine-readable
@@ -58,6 +58,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run_cmd.add_argument("--reference", metavar="ONNX", help="ONNX file for --check when running a .tfpkg")
     run_cmd.add_argument("--tolerance", type=float, default=1e-4, help="max abs error --check accepts (default 1e-4)")
     run_cmd.add_argument("--save-outputs", metavar="NPZ", help="write the outputs to a .npz file")
+    _add_rpc_options(run_cmd)
     run_cmd.set_defaults(handler=_run)
 
     bench_cmd = commands.add_parser("bench", parents=[common], help="time tightfit against onnxruntime and TVM's default build")
@@ -71,7 +72,24 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--loading", action="store_true",
                            help="measure time to a ready session and peak RSS at load instead of latency")
     bench_cmd.add_argument("--out", metavar="DIR", default="bench/results", help="where bench.json and bench.md go")
+    _add_rpc_options(bench_cmd)
     bench_cmd.set_defaults(handler=_bench)
+
+    devices_cmd = commands.add_parser("devices", parents=[common],
+                                      help="list device presets, and with --rpc-tracker what a tracker has")
+    devices_cmd.add_argument("--rpc-tracker", metavar="HOST:PORT", help="also list the tracker's keys and queues")
+    devices_cmd.set_defaults(handler=_devices)
+
+    device_cmd = commands.add_parser("device", parents=[common], help="manage devices (the emulated Arm64 device)")
+    device_commands = device_cmd.add_subparsers(title="device commands", metavar="COMMAND")
+    emulate_cmd = device_commands.add_parser("emulate", parents=[common],
+                                             help="start (or --stop) an emulated Arm64 device on a tracker")
+    emulate_cmd.add_argument("--key", required=True, help="the device key to register under")
+    emulate_cmd.add_argument("--rpc-tracker", metavar="HOST:PORT", default="127.0.0.1:9190",
+                             help="the tracker (default 127.0.0.1:9190; started here if none answers on loopback)")
+    emulate_cmd.add_argument("--threads", type=int, default=2, help="threads the device runs kernels on (default 2)")
+    emulate_cmd.add_argument("--stop", action="store_true", help="stop the devices started here under KEY")
+    emulate_cmd.set_defaults(handler=_device_emulate)
 
     conformance_cmd = commands.add_parser("conformance", parents=[common],
                                           help="run the ONNX backend node tests (shipped in onnx)")
@@ -92,9 +110,33 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_target_options(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--target", default="host", help="'host' or a TVM target as JSON (default host)")
+    command.add_argument("--target", default="host",
+                         help="'host', a device preset (see `tightfit devices`), a device .json file, "
+                              "or a TVM target as JSON (default host)")
     command.add_argument("--shape", action="append", default=[], metavar="NAME=DIMS",
                          help="fix or name an input's dims, e.g. x=1,3,H,W (repeatable)")
+
+
+def _add_rpc_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--rpc-tracker", metavar="HOST:PORT", help="run on a device through this RPC tracker")
+    command.add_argument("--rpc-key", metavar="KEY", help="the device key at the tracker (with --rpc-tracker)")
+    command.add_argument("--session-timeout", type=float, default=600.0, metavar="S",
+                         help="seconds the device keeps the RPC session (default 600)")
+
+
+def _session_for(args, package):
+    """A session on the host, or on the device named by --rpc-tracker/--rpc-key."""
+    from .errors import InputError
+
+    if not args.rpc_tracker:
+        if args.rpc_key:
+            raise InputError("--rpc-key needs --rpc-tracker HOST:PORT")
+        return package.session()
+    if not args.rpc_key:
+        raise InputError("--rpc-tracker needs --rpc-key KEY (the device key; `tightfit devices "
+                         f"--rpc-tracker {args.rpc_tracker}` lists them)")
+    print(f"opening a session on {args.rpc_key!r} via {args.rpc_tracker} ...", file=sys.stderr, flush=True)
+    return package.remote_session(args.rpc_tracker, args.rpc_key, args.session_timeout)
 
 
 def _shape_options(args) -> dict[str, list[int | str]]:
@@ -140,7 +182,7 @@ def _run(args) -> int:
     model_path = Path(args.model)
     if model_path.is_dir():
         package = load(model_path)
-        reference = args.reference
+        reference = args.reference or package.source.path
     else:
         package = tightfit_compile(model_path, args.target, input_shapes=_shape_options(args))
         reference = args.reference or model_path
@@ -148,7 +190,7 @@ def _run(args) -> int:
         feeds = load_npz(args.inputs)
     else:
         feeds = random_feeds(package.inputs, concrete_shapes(package.inputs, _shape_options(args)))
-    outputs = package.session().run(feeds)
+    outputs = _session_for(args, package).run(feeds)
     if args.save_outputs:
         np.savez(args.save_outputs, **outputs)
     summary = {"outputs": {name: {"shape": list(value.shape), "dtype": str(value.dtype)}
@@ -172,6 +214,8 @@ def _bench(args) -> int:
     from .errors import InputError
     from .feeds import parse_shape_option
 
+    if args.rpc_tracker or args.rpc_key:
+        return _bench_remote(args)
     jobs = []
     if args.zoo is not None:
         from .testing import zoo
@@ -219,6 +263,91 @@ def _bench_loading(args, jobs) -> int:
     path = write_loading_reports(results, args.out)
     _emit(args, json.loads((path.parent / "loading.json").read_text()),
           loading_table(results) + f"\n\nwrote {path}")
+    return 0
+
+
+def _bench_remote(args) -> int:
+    """Latency on a device: a compiled package (or an ONNX file compiled for --target) timed by
+    TVM's time_evaluator on the device, outputs checked against onnxruntime on the host."""
+    from .api import compile as tightfit_compile
+    from .api import load
+    from .errors import InputError
+    from .feeds import concrete_shapes, max_abs_error, parse_shape_option, random_feeds, run_onnxruntime
+
+    if not args.model:
+        raise InputError("bench on a device needs a model: a .tfpkg compiled for it, or an ONNX file and --target")
+    model_path = Path(args.model)
+    package = load(model_path) if model_path.is_dir() else tightfit_compile(model_path, args.target)
+    reference = package.source.path if model_path.is_dir() else model_path
+    session = _session_for(args, package)
+    rows = []
+    for spec in args.shapes or [""]:
+        shapes = dict((n, tuple(d)) for n, d in map(parse_shape_option, filter(None, spec.split(";"))))
+        feeds = random_feeds(package.inputs, concrete_shapes(package.inputs, shapes))
+        outputs = session.run(feeds)
+        error = max_abs_error(outputs, run_onnxruntime(reference, feeds)) if reference else None
+        seconds = sorted(session.time_run(feeds, repeat=args.repeat))
+        rows.append({"shape": "; ".join(f"{name}={'x'.join(map(str, value.shape))}" for name, value in feeds.items()),
+                     "device ms": round(1e3 * seconds[len(seconds) // 2], 4), "runs": len(seconds),
+                     "max abs err vs ORT": error})
+    from .inspection import format_table
+
+    data = {"device": args.rpc_key, "tracker": args.rpc_tracker, "target": package.target["name"],
+            "session_open_seconds": round(session.remote.open_seconds, 3), "rows": rows,
+            "peak_memory": "not reported: TVM's RPC server has no memory query"}
+    _emit(args, data, f"{args.rpc_key} ({package.target['name']}), session opened in "
+                      f"{session.remote.open_seconds:.2f} s; median of {args.repeat} runs timed on the device\n"
+                      + format_table(rows))
+    return 0
+
+
+def _devices(args) -> int:
+    from .device_rpc.devices import load_device, preset_names
+    from .inspection import format_table
+
+    presets = []
+    for name in preset_names():
+        device = load_device(name)
+        target = device.target
+        presets.append({"preset": name, "triple": target.get("mtriple", "host"), "cpu": target.get("mcpu", ""),
+                        "features": " ".join(target.get("mattr", [])), "threads": target.get("num-cores", ""),
+                        "cores": " + ".join(f"{c.count}x {c.core}" for c in device.clusters),
+                        "memory MB": device.memory_mb or ""})
+    data = {"presets": presets}
+    text = "device presets (use with --target):\n" + format_table(presets)
+    if args.rpc_tracker:
+        from dataclasses import asdict
+
+        from .device_rpc.tracker import TrackerAddress, key_queues
+
+        queues = [asdict(queue) for queue in key_queues(TrackerAddress.parse(args.rpc_tracker))]
+        data["tracker"] = {"address": args.rpc_tracker, "keys": queues}
+        text += f"\n\ntracker {args.rpc_tracker}:\n" + (format_table(queues) if queues else "(no devices)")
+    _emit(args, data, text)
+    return 0
+
+
+def _device_emulate(args) -> int:
+    from .device_rpc import emulated
+    from .device_rpc.tracker import TrackerAddress
+
+    tracker = TrackerAddress.parse(args.rpc_tracker)
+    if args.stop:
+        stopped = emulated.stop(args.key)
+        _emit(args, {"stopped": [server.pid for server in stopped]},
+              f"stopped {len(stopped)} emulated device(s) under {args.key!r}" if stopped
+              else f"no emulated device under {args.key!r} was running")
+        return 0
+    started_tracker = emulated.ensure_tracker(tracker, progress=lambda line: print(line, file=sys.stderr))
+    server = emulated.start(args.key, tracker, args.threads,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+    data = {"key": args.key, "pid": server.pid, "port": server.port, "tracker": str(tracker),
+            "started_seconds": round(server.started_s, 1), "log": server.log,
+            "started_tracker": started_tracker, "devices_under_key": len(emulated.running(args.key))}
+    _emit(args, data, f"emulated Arm64 device under {args.key!r} ready in {server.started_s:.1f} s "
+                      f"(pid {server.pid}, port {server.port}, log {server.log}); "
+                      f"{data['devices_under_key']} device(s) under this key; stop with "
+                      f"`tightfit device emulate --key {args.key} --stop`")
     return 0
 
 
