@@ -48,6 +48,8 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("-o", "--output", help="package directory to write (default: MODEL with .tfpkg)")
     _add_target_options(compile_cmd)
     compile_cmd.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, numbered in order")
+    compile_cmd.add_argument("--db", metavar="DIR", help="a tuning database (`tightfit tune --db DIR`) whose records "
+                             "schedule the kernels they match")
     compile_cmd.set_defaults(handler=_compile)
 
     run_cmd = commands.add_parser("run", parents=[common], help="run a model (.onnx or .tfpkg) on the host")
@@ -74,6 +76,19 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--out", metavar="DIR", default="bench/results", help="where bench.json and bench.md go")
     _add_rpc_options(bench_cmd)
     bench_cmd.set_defaults(handler=_bench)
+
+    tune_cmd = commands.add_parser("tune", parents=[common],
+                                   help="tune a model's kernels on a device over RPC (MetaSchedule; resumable)")
+    tune_cmd.add_argument("model", help="the ONNX file")
+    _add_target_options(tune_cmd)
+    tune_cmd.add_argument("--rpc-tracker", metavar="HOST:PORT", required=True, help="the RPC tracker")
+    tune_cmd.add_argument("--rpc-key", metavar="KEY", required=True, help="the device key; every device under it measures")
+    tune_cmd.add_argument("--trials", type=int, default=64, help="total trials the database should hold (default 64); "
+                          "a rerun measures only what is missing")
+    tune_cmd.add_argument("--db", metavar="DIR", required=True, help="the tuning database folder (created if missing)")
+    tune_cmd.add_argument("--session-timeout", type=float, default=60.0, metavar="S",
+                          help="seconds a device may spend on one candidate's session (default 60)")
+    tune_cmd.set_defaults(handler=_tune)
 
     devices_cmd = commands.add_parser("devices", parents=[common],
                                       help="list device presets, and with --rpc-tracker what a tracker has")
@@ -154,13 +169,14 @@ def _compile(args) -> int:
 
     target = resolve_target(args.target)
     output = Path(args.output) if args.output else Path(args.model).with_suffix(".tfpkg")
-    with tqdm(total=len(passes(target, PipelineOptions())) + 1, desc="compile", unit="pass",
+    with tqdm(total=len(passes(target, PipelineOptions(tuning_database=args.db))) + 1, desc="compile", unit="pass",
               file=sys.stderr, disable=None) as progress:
         def advance(name: str) -> None:
             progress.set_postfix_str(name)
             progress.update(1)
 
         package = tightfit_compile(args.model, target, input_shapes=_shape_options(args),
+                                   options=PipelineOptions(tuning_database=args.db),
                                    dump_ir=args.dump_ir, on_pass=advance)
     package.save(output)
     weight_file = package.report["weight_file"]
@@ -298,6 +314,54 @@ def _bench_remote(args) -> int:
     _emit(args, data, f"{args.rpc_key} ({package.target['name']}), session opened in "
                       f"{session.remote.open_seconds:.2f} s; median of {args.repeat} runs timed on the device\n"
                       + format_table(rows))
+    return 0
+
+
+def _tune(args) -> int:
+    from tqdm import tqdm
+
+    from .device_rpc.tracker import TrackerAddress
+    from .device_rpc.tuning import TuningSession, tune
+    from .errors import InputError
+    from .frontend import import_onnx
+    from .pipeline import TUNING_STAGE, PipelineOptions, run_pipeline
+    from .target import resolve_target
+
+    target = resolve_target(args.target)
+    imported = import_onnx(args.model, _shape_options(args))
+    dynamic = [f"{spec.name} {list(spec.shape)}" for spec in imported.inputs
+               if not all(isinstance(dim, int) for dim in spec.shape)]
+    if dynamic:
+        raise InputError(f"tuning measures static shapes; fix the dynamic inputs {', '.join(dynamic)} with "
+                         "--shape NAME=DIMS (one shape bucket per session; sessions can share one --db)")
+    mod, _ = run_pipeline(imported.mod, target, PipelineOptions(), stop_after=TUNING_STAGE)
+    fcompile = None
+    if target.cross_compiler:
+        from .device_rpc.devices import export_function
+
+        fcompile = export_function(target.cross_compiler, target.name)
+    session = TuningSession(TrackerAddress.parse(args.rpc_tracker), args.rpc_key, target.tvm_target,
+                            lambda module, path: module.export_library(path, fcompile=fcompile),
+                            session_timeout_s=args.session_timeout)
+    with tqdm(total=args.trials, desc="tune", unit="trial", file=sys.stderr, disable=None) as bar:
+        def progress(report, note: str) -> None:
+            bar.n = min(args.trials, report.recorded_before + report.measured + report.failed)
+            best = sum(report.best_ms.values())
+            bar.set_postfix_str(f"best {best:.3f} ms over {len(report.best_ms)} kernel(s)" if report.best_ms else note)
+            if "lost their session" in note:
+                bar.write(note)
+            bar.refresh()
+
+        report = tune(mod, session, args.db, args.trials, progress)
+    from dataclasses import asdict
+
+    data = {**asdict(report), "trials_per_minute": round(report.trials_per_minute, 1)}
+    _emit(args, data, f"tuned {len(report.tasks)} kernel(s) on {args.rpc_key!r} ({report.devices} device(s)): "
+                      f"{report.measured} measured, {report.failed} failed, {report.skipped_already_measured} "
+                      f"skipped as already measured, in {report.seconds:.0f} s "
+                      f"({report.trials_per_minute:.1f} trials/min); the database {args.db} now holds "
+                      f"{report.recorded_before + report.measured + report.failed} records; use it with "
+                      f"`tightfit compile {args.model} --target {args.target} --db {args.db}`")
     return 0
 
 

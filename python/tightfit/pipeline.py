@@ -39,10 +39,13 @@ class PipelineOptions:
     fast_kernels: bool = True
     # the knob database measured by a knob search (None: $TIGHTFIT_KNOB_DATABASE, else defaults)
     knob_database: str | None = None
+    # a MetaSchedule database (`tightfit tune --db DIR`): its best records schedule the kernels
+    # they were tuned for, ahead of tightfit's own schedules
+    tuning_database: str | None = None
 
 
 def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) -> list[tvm.transform.Pass]:
-    del target  # every pass so far reads the target from the context run_pipeline sets
+    # the passes read the target from the context run_pipeline sets (one needs it when made)
     return [
         # 1. normalize the imported graph (models with `If` import without dataflow blocks), then
         #    understand it: dynamism classes and Rank and Dimension Propagation (SoD2 §3, §4.1)
@@ -64,7 +67,9 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        # 4. schedule kernels: tightfit's kernels in one version per shape bucket, then the rest
+        # 4. schedule kernels: tuned records where the database has them, tightfit's kernels in one
+        #    version per shape bucket, then the rest
+        *([_apply_tuning_records(options.tuning_database, target)] if options.tuning_database else []),
         *([ScheduleKernels()] if options.fast_kernels else []),
         *([FallbackCPUSchedule()] if options.fallback_schedule else []),
         # 5. lower dataflow to VM code; plan memory
@@ -82,6 +87,19 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
     ]
 
 
+def _apply_tuning_records(database: str, target: CompileTarget) -> tvm.transform.Pass:
+    if not (Path(database) / "database_tuning_record.json").is_file():
+        raise CompilationError(f"{database} holds no tuning records: create it with `tightfit tune MODEL "
+                               f"--db {database} ...` first")
+    with target.tvm_target:
+        return relax.transform.MetaScheduleApplyDatabase(str(database))
+
+
+# The kernels are fused and not yet scheduled after this pass: what `tightfit tune` tunes, and
+# what MetaScheduleApplyDatabase then finds in the database.
+TUNING_STAGE = "FuseTIR"
+
+
 def pass_name(compiler_pass: tvm.transform.Pass) -> str:
     return compiler_pass.info.name
 
@@ -92,13 +110,18 @@ def run_pipeline(
     options: PipelineOptions = PipelineOptions(),
     dump_ir: str | Path | None = None,
     on_pass: Callable[[str], None] | None = None,
+    stop_after: str | None = None,
 ) -> tuple[tvm.IRModule, list[dict]]:
     """Apply every pass of `passes()` in order; write `NN-<pass>.py` to `dump_ir` after each.
 
     Returns the lowered module and the seconds each pass took; `on_pass` hears each pass's name
-    as it starts.
+    as it starts. `stop_after` names the last pass to run (TUNING_STAGE: the kernels as tuning
+    sees them).
     """
     pipeline = passes(target, options)
+    if stop_after is not None:
+        names = [pass_name(p) for p in pipeline]
+        pipeline = pipeline[:names.index(stop_after) + 1]
     pass_times: list[dict] = []
     dump_dir = Path(dump_ir) if dump_ir is not None else None
     if dump_dir is not None:

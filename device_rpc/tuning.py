@@ -1,0 +1,260 @@
+"""Tuning sessions on a device over RPC: MetaSchedule, resumable, with faults reported, not hidden.
+
+MetaSchedule's evolutionary search with the XGBoost cost model proposes kernels; each is built
+here (cross-exported as a .so the device loads without a compiler) and timed on devices under one
+tracker key by the RPC runner (one worker per device, so several devices share the work; every
+session has an explicit timeout). Records go to a JSON database on disk as they are measured
+(`tightfit compile --db DIR` applies them).
+
+What MetaSchedule does not do, and this module adds:
+- Resume without measuring anything twice: MetaSchedule's search does not look at the records
+  already in the database (a TODO in its evolutionary search), so `SkipMeasured` wraps the search
+  strategy and keeps candidates whose scheduled module is already recorded from being built or
+  run; the search is told their recorded times instead. The trial budget is the session's total:
+  a rerun measures only what is left of it.
+- Faults: a candidate whose run fails is recorded as failed (not retried). A failure of the
+  connection is checked against the tracker: if the device is gone, the session stops with
+  DeviceLostError, the records of that batch measured before the loss are kept and the lost
+  ones are not recorded (a rerun measures them).
+MetaSchedule tunes static shapes: a model with symbolic dims is tuned at one shape bucket per
+session (`tightfit tune --shape`), several sessions filling one database.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tvm
+import tvm_ffi
+from tvm.s_tir import meta_schedule as ms
+from tvm.ir.utils import derived_object
+
+from ..errors import DeviceError
+from .tracker import TrackerAddress, devices_under
+
+MAX_RUN_TIME_S = 1e10  # what MetaSchedule records for a candidate that failed
+INFRASTRUCTURE_ERRORS = ("RPCRunner: An exception occurred", "Cannot request", "Connection", "connection",
+                         "Broken pipe", "timed out", "Timeout")
+
+
+class DeviceLostError(DeviceError):
+    """The device under the session's key went away during tuning; the records so far are kept."""
+
+
+@dataclass
+class TuningSession:
+    """Where and how to measure: a device key at a tracker, and how to link for it."""
+
+    tracker: TrackerAddress
+    key: str
+    target: tvm.target.Target
+    export_library: Callable[[tvm.runtime.Module, str], None]  # (module, path.so)
+    session_timeout_s: float = 60.0
+    build_timeout_s: float = 60.0
+
+
+@dataclass
+class TuningReport:
+    database: str
+    tasks: list[str]
+    trials_requested: int
+    recorded_before: int
+    measured: int = 0
+    failed: int = 0
+    skipped_already_measured: int = 0
+    best_ms: dict[str, float] = field(default_factory=dict)  # task -> best latency recorded
+    seconds: float = 0.0
+    devices: int = 0
+
+    @property
+    def trials_per_minute(self) -> float:
+        return 60.0 * self.measured / self.seconds if self.seconds else 0.0
+
+
+def recorded_trials(database_dir: str | Path) -> int:
+    """Tuning records in the database (measured and failed ones)."""
+    path = Path(database_dir) / "database_tuning_record.json"
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
+
+
+def tune(mod: tvm.IRModule, session: TuningSession, database_dir: str | Path, trials: int,
+         progress: Callable[[TuningReport, str], None] = lambda report, note: None,
+         seed: int | None = None, trials_per_batch: int = 16) -> TuningReport:
+    """Tune every kernel of `mod` (static shapes) until the database holds `trials` records;
+    Records are committed after each batch of `trials_per_batch` candidates; `seed` fixes the
+    search's random choices."""
+    database_dir = Path(database_dir)
+    database_dir.mkdir(parents=True, exist_ok=True)
+    devices = devices_under(session.tracker, session.key)
+    if devices == 0:
+        raise DeviceError(f"the tracker at {session.tracker} has no device under key {session.key!r}; "
+                          f"start one, e.g. `tightfit device emulate --key {session.key} "
+                          f"--rpc-tracker {session.tracker}`")
+    extracted = ms.relax_integration.extract_tasks(mod, session.target)
+    report = TuningReport(str(database_dir), [task.task_name for task in extracted], trials,
+                          recorded_trials(database_dir), devices=devices)
+    remaining = trials - report.recorded_before
+    if remaining <= 0 or not extracted:
+        return report
+    database = ms.database.JSONDatabase(work_dir=str(database_dir))
+    contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+        extracted, str(database_dir / "logs"), strategy=SkipMeasured(database, report), num_threads=1,
+        seed=seed)
+    started = time.perf_counter()
+    callback = RecordAndWatch(session, report, progress, started)
+    try:
+        ms.tune.tune_tasks(
+            tasks=contexts, task_weights=weights, work_dir=str(database_dir / "logs"),
+            max_trials_global=remaining, num_trials_per_iter=min(trials_per_batch, remaining),
+            builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=session.build_timeout_s,
+                                            f_build=_build, f_export=_exporter(session.export_library)),
+            runner=ms.runner.RPCRunner(
+                ms.runner.RPCConfig(session.tracker.host, session.tracker.port, session.key,
+                                    session_timeout_sec=int(session.session_timeout_s)),
+                ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
+                max_workers=devices),
+            database=database,
+            # the XGBoost model trains once it has a few records, not after MetaSchedule's default 100
+            cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, remaining)),
+            measure_callbacks=[callback, ms.measure_callback.RemoveBuildArtifact(),
+                               ms.measure_callback.UpdateCostModel()],
+            task_scheduler="round-robin",
+        )
+    except Exception as err:  # a DeviceLostError raised by the callback arrives wrapped by TVM's FFI
+        if callback.lost is not None:
+            raise callback.lost from None
+        raise DeviceError(f"tuning stopped: {str(err).strip().splitlines()[-1]}; the records measured so far "
+                          f"are in {database_dir}, run the same command again to go on") from err
+    finally:
+        report.seconds = time.perf_counter() - started
+    return report
+
+
+def _build(mod: tvm.IRModule, target: tvm.target.Target, _params) -> tvm.runtime.Module:
+    # MetaSchedule's default build imports every tensor intrinsic first (~10 s per worker, mostly
+    # for GPUs); fp32 CPU kernels need none of them.
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return tvm.compile(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
+def _exporter(export_library):
+    def export(module: tvm.runtime.Module) -> str:
+        path = str(Path(tempfile.mkdtemp(prefix="tightfit-tune-")) / "kernel.so")
+        export_library(module, path)
+        return path
+    return export
+
+
+def _scheduled_hash(mod: tvm.IRModule) -> int:
+    return tvm_ffi.structural_hash(mod)
+
+
+@derived_object
+class SkipMeasured(ms.search_strategy.PySearchStrategy):
+    """MetaSchedule's evolutionary search, minus the candidates the database already holds."""
+
+    def __init__(self, database: ms.database.Database, report: TuningReport):
+        self.database = database
+        self.report = report
+        self.inner = ms.search_strategy.EvolutionarySearch()
+        self.recorded: dict[int, list[float]] = {}  # scheduled module hash -> recorded run seconds
+
+    def _initialize_with_tune_context(self, context) -> None:
+        self.context = context
+        self.inner._initialize_with_tune_context(context)
+
+    def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None):
+        workload = self.database.commit_workload(self.context.mod)
+        self.recorded = {}
+        for record in self.database.get_top_k(workload, 1 << 30) if self.database.has_workload(self.context.mod) else []:
+            schedule = tvm.s_tir.Schedule(self.context.mod)
+            record.trace.apply_to_schedule(schedule, remove_postproc=False)
+            self.recorded[_scheduled_hash(schedule.mod)] = [float(s) for s in record.run_secs]
+        # the inner search counts the skipped candidates too: give it room for them
+        self.inner.pre_tuning(max_trials + len(self.recorded), num_trials_per_iter, design_spaces,
+                              database, cost_model)
+
+    def post_tuning(self) -> None:
+        self.inner.post_tuning()
+
+    def generate_measure_candidates(self):
+        while True:
+            candidates = self.inner.generate_measure_candidates()
+            if candidates is None:
+                return None
+            fresh, known = [], []
+            for candidate in candidates:
+                (known if _scheduled_hash(candidate.sch.mod) in self.recorded else fresh).append(candidate)
+            if known:
+                self.report.skipped_already_measured += len(known)
+                self.inner.notify_runner_results(known, [
+                    ms.runner.RunnerResult(self.recorded[_scheduled_hash(c.sch.mod)], None) for c in known])
+            if fresh:
+                return fresh
+
+    def notify_runner_results(self, measure_candidates, results) -> None:
+        self.inner.notify_runner_results(measure_candidates, results)
+
+    def clone(self):
+        return SkipMeasured(self.database, self.report)
+
+
+@derived_object
+class RecordAndWatch(ms.measure_callback.PyMeasureCallback):
+    """Commits each measured candidate (failed ones as failed), reports progress, and stops the
+    session when the device is gone — without recording what the loss kept from being measured."""
+
+    def __init__(self, session: TuningSession, report: TuningReport, progress, started: float):
+        self.session = session
+        self.report = report
+        self.progress = progress
+        self.started = started
+        self.lost: DeviceLostError | None = None
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
+        context = task_scheduler.tasks_[task_id].ctx
+        lost_connection = [(candidate, result) for candidate, built, result
+                           in zip(measure_candidates, builder_results, runner_results)
+                           if built.error_msg is None and result.error_msg is not None
+                           and _is_infrastructure(result.error_msg)]
+        for candidate, result in zip(measure_candidates, runner_results):
+            if not any(candidate.same_as(lost) for lost, _ in lost_connection):
+                self._commit(task_scheduler.database_, context, candidate, result)
+        self.report.seconds = time.perf_counter() - self.started
+        if lost_connection:
+            if devices_under(self.session.tracker, self.session.key) == 0:
+                self.lost = DeviceLostError(
+                    f"the device under {self.session.key!r} is gone (tracker {self.session.tracker} lists none); "
+                    f"{self.report.measured} trials were measured and kept in {self.report.database}; "
+                    f"bring the device back and run the same command again to resume")
+                raise self.lost
+            # the device is still there: these candidates crashed or hung it; never run them again
+            for candidate, result in lost_connection:
+                self._commit(task_scheduler.database_, context, candidate, result)
+            first_error = lost_connection[0][1].error_msg.strip().splitlines()
+            self.progress(self.report, f"{len(lost_connection)} candidate(s) lost their session (crashed or "
+                                       f"hung the device?): {first_error[-1] if first_error else ''}")
+        self.progress(self.report, context.task_name)
+
+    def _commit(self, database, context, candidate, result) -> None:
+        failed = result.error_msg is not None
+        run_secs = [MAX_RUN_TIME_S] if failed else [float(s) for s in result.run_secs]
+        database.commit_tuning_record(ms.database.TuningRecord(
+            candidate.sch.trace, database.commit_workload(context.mod), run_secs, context.target,
+            ms.arg_info.ArgInfo.from_prim_func(context.mod["main"])))
+        if failed:
+            self.report.failed += 1
+            return
+        self.report.measured += 1
+        latency_ms = 1e3 * sum(run_secs) / len(run_secs)
+        name = context.task_name
+        self.report.best_ms[name] = min(latency_ms, self.report.best_ms.get(name, latency_ms))
+
+
+def _is_infrastructure(error: str) -> bool:
+    return any(marker in error for marker in INFRASTRUCTURE_ERRORS)
