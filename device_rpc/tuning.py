@@ -22,6 +22,9 @@ session (`tightfit tune --shape`), several sessions filling one database.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -101,29 +104,33 @@ def tune(mod: tvm.IRModule, session: TuningSession, database_dir: str | Path, tr
     if remaining <= 0 or not extracted:
         return report
     database = ms.database.JSONDatabase(work_dir=str(database_dir))
-    contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-        extracted, str(database_dir / "logs"), strategy=SkipMeasured(database, report), num_threads=1,
-        seed=seed)
+    # MetaSchedule's console log goes to stdout, which belongs to the caller's results: only its
+    # warnings reach the console (on stderr); everything is in DIR/logs
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+    with contextlib.redirect_stdout(sys.stderr):
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+            extracted, str(database_dir / "logs"), strategy=SkipMeasured(database, report), num_threads=1,
+            seed=seed)
     started = time.perf_counter()
     callback = RecordAndWatch(session, report, progress, started)
+    builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=session.build_timeout_s, f_build=_build,
+                                      f_export=_exporter(session.export_library))
+    runner = ms.runner.RPCRunner(
+        ms.runner.RPCConfig(session.tracker.host, session.tracker.port, session.key,
+                            session_timeout_sec=int(session.session_timeout_s)),
+        ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
+        max_workers=devices)
     try:
-        ms.tune.tune_tasks(
-            tasks=contexts, task_weights=weights, work_dir=str(database_dir / "logs"),
-            max_trials_global=remaining, num_trials_per_iter=min(trials_per_batch, remaining),
-            builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=session.build_timeout_s,
-                                            f_build=_build, f_export=_exporter(session.export_library)),
-            runner=ms.runner.RPCRunner(
-                ms.runner.RPCConfig(session.tracker.host, session.tracker.port, session.key,
-                                    session_timeout_sec=int(session.session_timeout_s)),
-                ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
-                max_workers=devices),
-            database=database,
-            # the XGBoost model trains once it has a few records, not after MetaSchedule's default 100
-            cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, remaining)),
-            measure_callbacks=[callback, ms.measure_callback.RemoveBuildArtifact(),
-                               ms.measure_callback.UpdateCostModel()],
-            task_scheduler="round-robin",
-        )
+        with contextlib.redirect_stdout(sys.stderr):
+            ms.tune.tune_tasks(
+                tasks=contexts, task_weights=weights, work_dir=str(database_dir / "logs"),
+                max_trials_global=remaining, num_trials_per_iter=min(trials_per_batch, remaining),
+                builder=builder, runner=runner, database=database,
+                # the XGBoost model trains after a few records, not after MetaSchedule's default 100
+                cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, remaining)),
+                measure_callbacks=[callback, ms.measure_callback.RemoveBuildArtifact(),
+                                   ms.measure_callback.UpdateCostModel()],
+                task_scheduler="round-robin")
     except Exception as err:  # a DeviceLostError raised by the callback arrives wrapped by TVM's FFI
         if callback.lost is not None:
             raise callback.lost from None
@@ -169,9 +176,10 @@ class SkipMeasured(ms.search_strategy.PySearchStrategy):
         self.inner._initialize_with_tune_context(context)
 
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None):
-        workload = self.database.commit_workload(self.context.mod)
         self.recorded = {}
-        for record in self.database.get_top_k(workload, 1 << 30) if self.database.has_workload(self.context.mod) else []:
+        for record in self.database.get_all_tuning_records():  # failed ones too: never run them again
+            if not tvm_ffi.structural_equal(record.workload.mod, self.context.mod):
+                continue
             schedule = tvm.s_tir.Schedule(self.context.mod)
             record.trace.apply_to_schedule(schedule, remove_postproc=False)
             self.recorded[_scheduled_hash(schedule.mod)] = [float(s) for s in record.run_secs]

@@ -1,0 +1,100 @@
+"""Devices over RPC without the emulator: presets, targets, clear errors, tuning on a local x86 server."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tightfit.cli import main
+from tightfit.device_rpc.devices import load_device, preset_names
+from tightfit.device_rpc.tracker import (TrackerAddress, devices_under, free_port, start_tracker,
+                                         stop_process_group, wait_for_key)
+from tightfit.device_rpc.tuning import recorded_trials
+from tightfit.errors import DeviceError, TargetError
+from tightfit.target import resolve_target
+
+
+@pytest.fixture(scope="module")
+def tracker():
+    port = free_port(9290)
+    process = start_tracker(port)
+    yield TrackerAddress("127.0.0.1", port)
+    stop_process_group(process.pid)
+
+
+@pytest.fixture(scope="module")
+def x86_server(tracker):
+    """A plain TVM RPC server on this machine, registered under the key 'x86-local'."""
+    port = free_port(9300)
+    server = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", str(tracker),
+                               "--key", "x86-local", "--host", "127.0.0.1", "--port", str(port),
+                               "--port-end", str(port + 1)], start_new_session=True)
+    wait_for_key(tracker, "x86-local", minimum=1, timeout_s=60, alive=lambda: server.poll() is None)
+    yield "x86-local"
+    stop_process_group(server.pid)
+
+
+def test_every_preset_is_a_valid_arm64_target():
+    assert {"emulated-arm64", "raspberry-pi-5", "pixel-8"} <= set(preset_names())
+    for name in preset_names():
+        device = load_device(name)
+        target = resolve_target(name)
+        assert target.name == name and not target.runs_on_host
+        assert "aarch64" in str(target.tvm_target.attrs["mtriple"])
+        assert target.num_threads == device.target["num-cores"]
+        assert sum(cluster.count for cluster in device.clusters) >= target.num_threads
+
+
+def test_unknown_device_names_the_presets():
+    with pytest.raises(TargetError, match="presets are .*emulated-arm64"):
+        resolve_target("nokia-3310")
+
+
+def test_unreachable_tracker_fails_fast_and_says_what_to_do(capsys):
+    port = free_port(9400)
+    started = time.monotonic()
+    assert main(["devices", "--rpc-tracker", f"127.0.0.1:{port}"]) == DeviceError.exit_code
+    assert time.monotonic() - started < 10
+    assert "no RPC tracker answers" in capsys.readouterr().err
+
+
+def test_key_without_device_fails_fast(tracker, tmp_path, mlp_path, capsys):
+    started = time.monotonic()
+    code = main(["run", mlp_path, "--shape", "x=2,8", "--rpc-tracker", str(tracker), "--rpc-key", "no-such-phone"])
+    assert code == DeviceError.exit_code and time.monotonic() - started < 30
+    assert "no device under key 'no-such-phone'" in capsys.readouterr().err
+
+
+def test_devices_lists_the_trackers_keys(tracker, x86_server, capsys):
+    assert main(["devices", "--rpc-tracker", str(tracker), "--json"]) == 0
+    keys = {entry["key"]: entry for entry in json.loads(capsys.readouterr().out)["tracker"]["keys"]}
+    assert keys[x86_server]["total"] == 1
+
+
+def test_tuning_on_a_local_x86_server_fills_the_database_and_compile_uses_it(tracker, x86_server, tmp_path,
+                                                                          mlp_path, capsys):
+    database = tmp_path / "db"
+    tune = ["tune", mlp_path, "--shape", "x=8,8", "--rpc-tracker", str(tracker), "--rpc-key", x86_server,
+            "--db", str(database), "--json"]
+    assert main([*tune, "--trials", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["measured"] + report["failed"] == 4 and recorded_trials(database) == 4
+    assert main([*tune, "--trials", "4"]) == 0  # nothing left to measure
+    assert json.loads(capsys.readouterr().out)["measured"] == 0 and recorded_trials(database) == 4
+    package = tmp_path / "tuned.tfpkg"
+    assert main(["compile", mlp_path, "--shape", "x=8,8", "--db", str(database), "-o", str(package)]) == 0
+    assert main(["run", str(package), "--check"]) == 0
+
+
+def test_dynamic_inputs_must_be_fixed_for_tuning(tracker, x86_server, tmp_path, mlp_path, capsys):
+    code = main(["tune", mlp_path, "--rpc-tracker", str(tracker), "--rpc-key", x86_server, "--db", str(tmp_path)])
+    assert code != 0 and "--shape NAME=DIMS" in capsys.readouterr().err
+
+
+def test_remote_run_on_the_x86_server_matches_onnxruntime(tracker, x86_server, mlp_path, capsys):
+    assert main(["run", mlp_path, "--shape", "x=3,8", "--rpc-tracker", str(tracker), "--rpc-key", x86_server,
+                 "--check"]) == 0
+    assert "ok" in capsys.readouterr().out
+    assert devices_under(tracker, x86_server) == 1
