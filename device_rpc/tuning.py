@@ -35,10 +35,12 @@ import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
+from tvm.support.popen_pool import PopenPoolExecutor
 
 from ..errors import DeviceError
-from .tracker import TrackerAddress, devices_under
+from .tracker import TrackerAddress, devices_under, request
 
+UPLOAD_SLACK_S = 30.0
 MAX_RUN_TIME_S = 1e10  # what MetaSchedule records for a candidate that failed
 INFRASTRUCTURE_ERRORS = ("RPCRunner: An exception occurred", "Cannot request", "Connection", "connection",
                          "Broken pipe", "timed out", "Timeout")
@@ -119,7 +121,10 @@ def tune(mod: tvm.IRModule, session: TuningSession, database_dir: str | Path, tr
         ms.runner.RPCConfig(session.tracker.host, session.tracker.port, session.key,
                             session_timeout_sec=int(session.session_timeout_s)),
         ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
-        max_workers=devices)
+        f_create_session=_create_session, max_workers=devices)
+    # RPCRunner's workers have no time limit: a request for a key whose devices are gone waits at
+    # the tracker forever. Each candidate gets the session timeout, plus time to upload.
+    runner.pool = PopenPoolExecutor(max_workers=devices, timeout=session.session_timeout_s + UPLOAD_SLACK_S)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             ms.tune.tune_tasks(
@@ -139,6 +144,12 @@ def tune(mod: tvm.IRModule, session: TuningSession, database_dir: str | Path, tr
     finally:
         report.seconds = time.perf_counter() - started
     return report
+
+
+def _create_session(rpc_config: ms.runner.RPCConfig):
+    """An RPC session for one candidate, failing at once when the key has no device left."""
+    tracker = TrackerAddress(rpc_config.tracker_host, int(rpc_config.tracker_port))
+    return request(tracker, rpc_config.tracker_key, rpc_config.session_timeout_sec)
 
 
 def _build(mod: tvm.IRModule, target: tvm.target.Target, _params) -> tvm.runtime.Module:

@@ -88,6 +88,8 @@ def _build_parser() -> argparse.ArgumentParser:
     tune_cmd.add_argument("--db", metavar="DIR", required=True, help="the tuning database folder (created if missing)")
     tune_cmd.add_argument("--session-timeout", type=float, default=60.0, metavar="S",
                           help="seconds a device may spend on one candidate's session (default 60)")
+    tune_cmd.add_argument("--batch", type=int, default=16, metavar="N",
+                          help="candidates measured per batch; records are saved after each (default 16)")
     tune_cmd.set_defaults(handler=_tune)
 
     devices_cmd = commands.add_parser("devices", parents=[common],
@@ -352,7 +354,7 @@ def _tune(args) -> int:
                 bar.write(note)
             bar.refresh()
 
-        report = tune(mod, session, args.db, args.trials, progress)
+        report = tune(mod, session, args.db, args.trials, progress, trials_per_batch=args.batch)
     from dataclasses import asdict
 
     data = {**asdict(report), "trials_per_minute": round(report.trials_per_minute, 1)}

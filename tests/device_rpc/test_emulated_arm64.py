@@ -1,0 +1,104 @@
+"""The emulated Arm64 device: a zoo model compiled for Arm64 runs on it; a tuning session on it is
+killed with the device and resumes without losing records.
+
+The first run sets the device up (Debian packages, an aarch64 sysroot and TVM's aarch64 runtime
+wheel, ~3 minutes; cached in ~/.cache/tightfit afterwards).
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+import tightfit
+from tightfit.device_rpc import emulated
+from tightfit.device_rpc.tracker import TrackerAddress, devices_under, free_port, start_tracker, stop_process_group
+from tightfit.device_rpc.tuning import recorded_trials
+from tightfit.errors import DeviceError, TargetError
+from tightfit.feeds import max_abs_error, run_onnxruntime
+from tightfit.testing import zoo
+
+pytestmark = pytest.mark.slow
+KEY = "emulated-arm64-test"
+
+
+@pytest.fixture(scope="module")
+def tracker():
+    port = free_port(9490)
+    process = start_tracker(port)
+    yield TrackerAddress("127.0.0.1", port)
+    stop_process_group(process.pid)
+
+
+@pytest.fixture(scope="module")
+def arm64_device(tracker):
+    emulated.start(KEY, tracker)
+    yield KEY
+    emulated.stop(KEY)
+
+
+def test_zoo_model_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm64_device, tmp_path):
+    entry = zoo.get("conv_dynamic_hw")
+    model = entry.build()
+    package_path = tightfit.compile(model, "emulated-arm64").save(tmp_path / "model.tfpkg")
+    package = tightfit.load(package_path)
+    with pytest.raises(TargetError, match="compiled for emulated-arm64"):
+        package.session()  # an aarch64 library: not for this machine
+    session = package.remote_session(str(tracker), arm64_device)
+    for shapes in entry.shape_sets[:2]:  # one package serves every shape, on the device too
+        feeds = {name: np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+                 for name, shape in shapes.items()}
+        outputs = session.run(feeds)
+        assert max_abs_error(outputs, run_onnxruntime(model, feeds)) < 1e-4
+    assert len(session.time_run(feeds, repeat=2)) == 2
+
+
+def _tune_command(model_path, tracker, database, trials):
+    return [sys.executable, "-m", "tightfit.cli", "tune", str(model_path), "--target", "emulated-arm64",
+            "--shape", "x=8,8", "--rpc-tracker", str(tracker), "--rpc-key", KEY, "--trials", str(trials),
+            "--db", str(database), "--session-timeout", "20", "--batch", "2", "--json"]
+
+
+def _distinct_candidates(database) -> int:
+    import tvm
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    hashes = set()
+    for record in ms.database.JSONDatabase(work_dir=str(database)).get_all_tuning_records():
+        schedule = tvm.s_tir.Schedule(record.workload.mod)
+        record.trace.apply_to_schedule(schedule, remove_postproc=False)
+        hashes.add(tvm_ffi.structural_hash(schedule.mod))
+    return len(hashes)
+
+
+def test_tuning_killed_with_its_device_resumes_without_losing_records(tracker, arm64_device, tmp_path, mlp_model):
+    model_path = tmp_path / "mlp.onnx"
+    onnx.save(mlp_model, str(model_path))
+    database = tmp_path / "db"
+    tuning = subprocess.Popen(_tune_command(model_path, tracker, database, 12),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while recorded_trials(database) < 4 and tuning.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert tuning.poll() is None, f"tuning ended before the device was killed: {tuning.communicate()}"
+    emulated.stop(KEY)  # the device dies mid-session
+    _, errors = tuning.communicate(timeout=300)
+    assert tuning.returncode == DeviceError.exit_code, errors
+    assert f"the device under '{KEY}' is gone" in errors and "run the same command again" in errors
+    kept = recorded_trials(database)
+    assert 4 <= kept < 12
+
+    emulated.start(KEY, tracker)
+    assert devices_under(tracker, KEY) == 1
+    resumed = subprocess.run(_tune_command(model_path, tracker, database, 12),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    report = json.loads(resumed.stdout)
+    assert report["recorded_before"] == kept
+    assert recorded_trials(database) == 12  # nothing lost, nothing measured twice
+    assert _distinct_candidates(database) == 12
