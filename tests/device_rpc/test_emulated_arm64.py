@@ -102,3 +102,24 @@ def test_tuning_killed_with_its_device_resumes_without_losing_records(tracker, a
     assert report["recorded_before"] == kept
     assert recorded_trials(database) == 12  # nothing lost, nothing measured twice
     assert _distinct_candidates(database) == 12
+
+
+def test_starting_a_second_device_under_the_key_keeps_the_first(tracker, arm64_device, tmp_path, mlp_path, capsys):
+    from tightfit.cli import main
+
+    first = emulated.running(KEY)
+    assert main(["device", "emulate", "--key", KEY, "--rpc-tracker", str(tracker), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices_under_key"] == len(first) + 1
+    assert devices_under(tracker, KEY) == len(first) + 1
+    assert all(server.alive() for server in first)
+    package = tmp_path / "mlp.tfpkg"
+    assert main(["compile", mlp_path, "--target", "emulated-arm64", "-o", str(package)]) == 0
+    for _ in range(2):  # the tracker hands out either device
+        assert main(["run", str(package), "--shape", "x=2,8", "--rpc-tracker", str(tracker),
+                     "--rpc-key", KEY, "--check"]) == 0
+    assert main(["device", "emulate", "--key", KEY, "--rpc-tracker", str(tracker), "--stop"]) == 0
+    assert emulated.running(KEY) == []
+    deadline = time.monotonic() + 30  # the tracker notices when a server's connection closes
+    while devices_under(tracker, KEY) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert devices_under(tracker, KEY) == 0
