@@ -16,7 +16,7 @@ import pytest
 
 import tightfit
 from tightfit.device_rpc import emulated
-from tightfit.device_rpc.tracker import TrackerAddress, devices_under, free_port, start_tracker, stop_process_group
+from tightfit.device_rpc.tracker import devices_under
 from tightfit.device_rpc.tuning import recorded_trials
 from tightfit.errors import DeviceError, TargetError
 from tightfit.feeds import max_abs_error, run_onnxruntime
@@ -24,14 +24,6 @@ from tightfit.testing import zoo
 
 pytestmark = pytest.mark.slow
 KEY = "emulated-arm64-test"
-
-
-@pytest.fixture(scope="module")
-def tracker():
-    port = free_port(9490)
-    process = start_tracker(port)
-    yield TrackerAddress("127.0.0.1", port)
-    stop_process_group(process.pid)
 
 
 @pytest.fixture(scope="module")

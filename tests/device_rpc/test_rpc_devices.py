@@ -9,19 +9,10 @@ import pytest
 
 from tightfit.cli import main
 from tightfit.device_rpc.devices import load_device, preset_names
-from tightfit.device_rpc.tracker import (TrackerAddress, devices_under, free_port, start_tracker,
-                                         stop_process_group, wait_for_key)
+from tightfit.device_rpc.tracker import devices_under, free_port, stop_process_group, wait_for_key
 from tightfit.device_rpc.tuning import recorded_trials
 from tightfit.errors import DeviceError, TargetError
 from tightfit.target import resolve_target
-
-
-@pytest.fixture(scope="module")
-def tracker():
-    port = free_port(9290)
-    process = start_tracker(port)
-    yield TrackerAddress("127.0.0.1", port)
-    stop_process_group(process.pid)
 
 
 @pytest.fixture(scope="module")
