@@ -111,7 +111,7 @@ def tune(mod: tvm.IRModule, session: TuningSession, database_dir: str | Path, tr
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
     with contextlib.redirect_stdout(sys.stderr):
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-            extracted, str(database_dir / "logs"), strategy=SkipMeasured(database, report), num_threads=1,
+            extracted, str(database_dir / "logs"), strategy=SkipMeasured(database, report, remaining), num_threads=1,
             seed=seed)
     started = time.perf_counter()
     callback = RecordAndWatch(session, report, progress, started)
@@ -174,11 +174,14 @@ def _scheduled_hash(mod: tvm.IRModule) -> int:
 
 @derived_object
 class SkipMeasured(ms.search_strategy.PySearchStrategy):
-    """MetaSchedule's evolutionary search, minus the candidates the database already holds."""
+    """MetaSchedule's evolutionary search, minus the candidates the database already holds, and
+    never more candidates than the session's `budget` (MetaSchedule's own limit is checked per
+    batch, so its last batch can overshoot)."""
 
-    def __init__(self, database: ms.database.Database, report: TuningReport):
+    def __init__(self, database: ms.database.Database, report: TuningReport, budget: int):
         self.database = database
         self.report = report
+        self.budget = budget
         self.inner = ms.search_strategy.EvolutionarySearch()
         self.recorded: dict[int, list[float]] = {}  # scheduled module hash -> recorded run seconds
 
@@ -203,6 +206,9 @@ class SkipMeasured(ms.search_strategy.PySearchStrategy):
 
     def generate_measure_candidates(self):
         while True:
+            budget_left = self.budget - self.report.measured - self.report.failed
+            if budget_left <= 0:
+                return None
             candidates = self.inner.generate_measure_candidates()
             if candidates is None:
                 return None
@@ -214,13 +220,13 @@ class SkipMeasured(ms.search_strategy.PySearchStrategy):
                 self.inner.notify_runner_results(known, [
                     ms.runner.RunnerResult(self.recorded[_scheduled_hash(c.sch.mod)], None) for c in known])
             if fresh:
-                return fresh
+                return fresh[:budget_left]
 
     def notify_runner_results(self, measure_candidates, results) -> None:
         self.inner.notify_runner_results(measure_candidates, results)
 
     def clone(self):
-        return SkipMeasured(self.database, self.report)
+        return SkipMeasured(self.database, self.report, self.budget)
 
 
 @derived_object
