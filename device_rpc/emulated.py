@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import DeviceError
-from .tracker import (TrackerAddress, check_reachable, free_port, start_tracker, stop_process_group,
-                      wait_for_key)
+from .tracker import (TrackerAddress, check_reachable, devices_under, free_port, start_tracker,
+                      stop_process_group, wait_for_key)
 
 TVM_VERSION = "0.27.0.post1"
 TVM_FFI_VERSION = "0.1.14.post1"  # 0.1.15.post2 segfaults in tvm.ir.save_json (MetaSchedule)
@@ -198,13 +198,14 @@ def start(key: str, tracker: TrackerAddress, threads: int = 2, progress=print) -
                "--key", key, "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1),
                # random_fill_for_measure (MetaSchedule's runner) lives in the runtime's extra library
                "--load-library", str(site / "tvm" / "lib" / "libtvm_runtime_extra.so")]
+    devices_before = devices_under(tracker, key)
     launched = time.monotonic()
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     progress(f"emulated-arm64: server pid {process.pid} on port {port}, registering as {key!r} with {tracker}")
     try:
-        wait_for_key(tracker, key, minimum=len(running(key)) + 1, timeout_s=SERVER_START_TIMEOUT_S,
+        wait_for_key(tracker, key, minimum=devices_before + 1, timeout_s=SERVER_START_TIMEOUT_S,
                      alive=lambda: process.poll() is None)
     except DeviceError as err:
         stop_process_group(process.pid)
