@@ -138,15 +138,16 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
 
 
 def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_row_axis: int,
-                       vector_width: int, version: str) -> list[tuple]:
-    """Depthwise tiles: one vector of output columns per tile, the filter taps unrolled."""
+                       vector_width: int, version: str, parallel: bool = True) -> list[tuple]:
+    """Depthwise tiles: one vector of output columns per tile, the filter taps unrolled;
+    (batch, channel, output row) fused and, when `parallel`, run on the thread pool. The tile
+    buffer stays "global", a stack array in registers (isa.py)."""
     n, c, oh, ow, ry, rx = sch.get_loops(tiles)
     if version == ROW_TILES:
         ow_outer, ow_lane = sch.split(ow, [None, vector_width])
         sch.reorder(n, c, oh, ow_outer, ry, rx, ow_lane)
         sch.reverse_compute_at(out_block, ow_outer)
-        sch.set_scope(tiles, 0, "local")
-        sch.parallel(sch.fuse(n, c, oh))
+        _fuse_rows(sch, [n, c, oh], parallel)
         sch.unroll(ry)
         sch.unroll(rx)
         sch.vectorize(ow_lane)
@@ -157,9 +158,14 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
         return [("shift", row_iters, vector_width, row_extent)]
     sch.reorder(n, c, oh, ow, ry, rx)
     sch.reverse_compute_at(out_block, ow)
-    sch.set_scope(tiles, 0, "local")
-    sch.parallel(sch.fuse(n, c, oh))
+    _fuse_rows(sch, [n, c, oh], parallel)
     sch.unroll(ry)
     sch.unroll(rx)
     sch.decompose_reduction(tiles, ry)
     return [("restrict", sch.get(ow).loop_var, row_extent)]
+
+
+def _fuse_rows(sch: s_tir.Schedule, loops: list, parallel: bool) -> None:
+    fused = sch.fuse(*loops)
+    if parallel:
+        sch.parallel(fused)

@@ -16,6 +16,15 @@ output width in vectors):
   panels; skinny GEMMs (GEMV-like) and convs narrower than a tile (7x7 maps and below).
 The threshold is the tile height because that is where a row tile stops fitting: the shifted
 tail needs M >= rows. A static M compiles only its own version.
+
+A second, orthogonal split is by work: waking the thread pool costs more than a small kernel's
+whole run (measured on this 2-core host, TVM 0.27: a parallel loop over 48 x 32 floats 5.5 us,
+the same loop serial 0.06 us; at 4096 x 32 serial still won, 7 us against 14 us). So every
+kernel whose loop work (innermost iterations, summed over its loop nests) can fall below
+`min_parallel_work` gets a serial version beside its parallel one, chosen by the same kind of
+`if` (`parallel_buckets`). The threshold is launch cost x serial throughput; knob_search.py
+measures both on the target and stores it in the knob database, DEFAULT_MIN_PARALLEL_WORK is
+this host's value.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from .register_tile import ROW_TILES, SINGLE_ROW
+from .tail_tiles import rewrite_loop_nest
 
 
 def row_buckets(row_extent, rows: int) -> list[tuple[str, object]]:
@@ -33,27 +43,103 @@ def row_buckets(row_extent, rows: int) -> list[tuple[str, object]]:
     return [(ROW_TILES, row_extent >= rows), (SINGLE_ROW, None)]
 
 
+# Launch overhead (~2 us unloaded) x serial throughput (~20 innermost iterations per ns for a
+# vectorized elementwise loop) on the host above, rounded to a power of two.
+DEFAULT_MIN_PARALLEL_WORK = 1 << 16
+
+
+def parallel_buckets(work, min_parallel_work: int) -> list[tuple[bool, object]]:
+    """[(parallel?, run-time condition or None for "otherwise")] for a kernel's loop work."""
+    if work is None:
+        return [(True, None)]
+    if isinstance(work, (int, tirx.IntImm)):
+        return [(int(work) >= min_parallel_work, None)]
+    return [(True, work >= min_parallel_work), (False, None)]
+
+
+def loop_work(func: tirx.PrimFunc):
+    """Innermost iterations of `func`'s top-level loop nests, summed; None when a loop extent
+    depends on something other than the parameters' shapes (a data-dependent loop)."""
+    shape_vars = [var for param in func.params if hasattr(param, "shape")
+                  for dim in param.shape for var in tirx.analysis.undefined_vars(dim)]
+    shape_vars += [param for param in func.params if not hasattr(param, "shape")]
+    sch = s_tir.Schedule(func)
+    total = tirx.const(0, "int64")
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        nest = tirx.const(1, "int64")
+        for loop in sch.get_loops(block):
+            extent = sch.get(loop).extent
+            if not all(any(var.same_as(known) for known in shape_vars)
+                       for var in tirx.analysis.undefined_vars(extent)):
+                return None
+            nest = nest * tirx.Cast("int64", extent)
+        total = total + nest
+    return tvm.sym.Analyzer().simplify(total)
+
+
+def combine(*conditions):
+    """The conjunction of the conditions that are not None (None when all are)."""
+    present = [c for c in conditions if c is not None]
+    if not present:
+        return None
+    result = present[0]
+    for condition in present[1:]:
+        result = tirx.And(result, condition)
+    return result
+
+
 def join_versions(versions: list[tuple[object, tirx.PrimFunc]]) -> tirx.PrimFunc:
     """One PrimFunc running the first version whose condition holds (the last has None).
 
-    All versions are schedules of the same PrimFunc, so they share its parameters; each keeps
-    the intermediate buffers its schedule made. Loops a schedule left alone are the same
-    variables in every version; ConvertSSA renames the repeats (TIR defines a variable once).
+    All versions are schedules of the same PrimFunc, so they share its parameters. Each version
+    keeps its intermediate buffers in a block of its own under its branch: allocated at the root,
+    a buffer used by two branches would have the root as its lowest common user, and
+    CompactBufferAllocation would keep it at full size, so a kernel's accumulator tile would be
+    a heap workspace instead of a stack array in registers (isa.py). Loops and buffers that the
+    versions share are defined once per branch; ConvertSSA renames the repeats.
     """
     if len(versions) == 1:
         return versions[0][1]
     body = None
-    allocations = []
-    for condition, func in reversed(versions):
-        root = func.body.block
-        for buffer in root.alloc_buffers:
-            if not any(buffer.same_as(known) for known in allocations):
-                allocations.append(buffer)
-        body = root.body if body is None else tirx.IfThenElse(condition, root.body, body)
+    for index, (condition, func) in reversed(list(enumerate(versions))):
+        root = (func if index == 0 else _with_fresh_intermediates(func)).body.block
+        branch = s_tir.SBlockRealize([], tirx.const(True, "bool"), s_tir.SBlock(
+            [], [], [], f"version_{index}", root.body, None, root.alloc_buffers))
+        body = branch if body is None else tirx.IfThenElse(condition, branch, body)
     first_root = versions[0][1].body
     root = first_root.block
     joined = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, body, root.init,
-                          allocations, root.match_buffers, root.annotations)
+                          [], root.match_buffers, root.annotations)
     func = versions[0][1].with_body(s_tir.SBlockRealize(first_root.iter_values,
                                                         first_root.predicate, joined))
     return tirx.transform.ConvertSSA()(tvm.IRModule({"main": func}))["main"]
+
+
+def _with_fresh_intermediates(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with new buffer objects for the intermediates allocated at its root, so that a
+    version does not share them with the others (TIR allows one definition per buffer).
+
+    set_scope gives a block's output buffer a new object when the scope changes; changing it
+    to another scope and back keeps the scope and leaves a fresh buffer.
+    """
+    sch = s_tir.Schedule(func)
+    writers = _writer_blocks(func)
+    for buffer in func.body.block.alloc_buffers:
+        block_name, index = writers[buffer.name]
+        scope = buffer.scope()
+        sch.set_scope(sch.get_sblock(block_name), index, "local" if scope != "local" else "global")
+        sch.set_scope(sch.get_sblock(block_name), index, scope)
+    return sch.mod["main"]
+
+
+def _writer_blocks(func: tirx.PrimFunc) -> dict[str, tuple[str, int]]:
+    """Buffer name -> (a block writing it, the buffer's index among that block's writes)."""
+    writers: dict[str, tuple[str, int]] = {}
+
+    def note(realize):
+        for index, region in enumerate(realize.block.writes):
+            writers.setdefault(region.source.name, (realize.block.name_hint, index))
+        return realize
+
+    rewrite_loop_nest(func.body.block.body, note)
+    return writers

@@ -8,8 +8,10 @@ Every lowered PrimFunc that no specialized kernel (issue 5) claims gets this sch
    only feed spatial (data-parallel) block iterators are fused and marked parallel; this works for
    symbolic extents. Fusing deeper would make every element pay integer divisions by symbolic
    extents to recover its indices, and parallelizing inner loops instead starts a parallel region
-   per outer iteration (TVM-0.27-NOTES §5) — both measured slower. Nests whose parallel extent is
-   known to be small stay serial, where waking threads would cost more than it saves.
+   per outer iteration (TVM-0.27-NOTES §5) — both measured slower.
+3. Serial and parallel versions. A function whose loop work may be below the parallel threshold
+   (dispatch.parallel_buckets: waking the pool costs more than a small op's whole run) also
+   gets a serial version, and an `if` on the work picks one at run time.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-# A fused parallel extent known to be below this runs serially.
-MIN_PARALLEL_EXTENT = 16
+from .dispatch import DEFAULT_MIN_PARALLEL_WORK, join_versions, loop_work, parallel_buckets
+from .knob_database import KnobDatabase
+
+# A fused loop with fewer iterations than this cannot keep two threads busy.
+MIN_PARALLEL_EXTENT = 2
 MAX_FUSED_LOOPS = 2
 
 
@@ -26,20 +31,32 @@ MAX_FUSED_LOOPS = 2
 class FallbackCPUSchedule:
     """Inline injective blocks and parallelize outer loops of every unscheduled PrimFunc."""
 
+    def __init__(self, knob_database: str | None = None):
+        self.knob_database = knob_database
+
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        min_parallel_work = KnobDatabase.open(self.knob_database, target).min_parallel_work()
         mod = mod.clone()
         for global_var, func in list(mod.functions.items()):
             # Library kernels (sort, scan) are one opaque block, not a root with loop nests.
             if isinstance(func, tirx.PrimFunc) and not _is_scheduled(func) and _has_root_block(func):
-                mod[global_var] = schedule_prim_func(func)
+                mod[global_var] = schedule_prim_func(func, min_parallel_work)
         return mod
 
 
-def schedule_prim_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def schedule_prim_func(func: tirx.PrimFunc,
+                       min_parallel_work: int = DEFAULT_MIN_PARALLEL_WORK) -> tirx.PrimFunc:
     schedule = s_tir.Schedule(func)
     _inline_injective_blocks(schedule)
-    parallelize_outer_loops(schedule)
-    return schedule.mod["main"].with_attr("tirx.is_scheduled", True)
+    inlined = schedule.mod["main"]
+    versions = []
+    for parallel, condition in parallel_buckets(loop_work(inlined), min_parallel_work):
+        schedule = s_tir.Schedule(inlined)
+        if parallel:
+            parallelize_outer_loops(schedule)
+        versions.append((condition, schedule.mod["main"]))
+    return join_versions(versions).with_attr("tirx.is_scheduled", True)
 
 
 def parallelize_outer_loops(schedule: s_tir.Schedule, skip: frozenset[str] = frozenset()) -> None:

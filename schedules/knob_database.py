@@ -13,7 +13,8 @@ File format (JSON, one file, written atomically):
          "tiles": {"<kind>/<bucket>": {"rows": 8, "vectors": 2, "reduction_unroll": 1,
                                         "us": 12.5, "shape": "..."}},
          "rates": {"macs_per_second": ..., "bytes_per_second": ...,
-                   "transform_flops_per_second": ...}}}}
+                   "transform_flops_per_second": ...},
+         "min_parallel_work": 65536}}}
 Bucket: `v<panel vectors needed, at most 8>/m<row extent bucket>`, where the row extent bucket
 is `dyn` for a symbolic extent and the next power of two (at most 1024) otherwise.
 MetaSchedule tuning records, where a database of them exists, are applied separately and win.
@@ -29,6 +30,7 @@ from pathlib import Path
 import tvm
 from tvm import tirx
 
+from .dispatch import DEFAULT_MIN_PARALLEL_WORK
 from .isa import VectorISA
 from .register_tile import TileKnobs
 
@@ -73,6 +75,13 @@ class KnobDatabase:
             "rows": knobs.rows, "vectors": knobs.vectors,
             "reduction_unroll": knobs.reduction_unroll, "us": round(microseconds, 3),
             "shape": shape}
+
+    def min_parallel_work(self) -> int:
+        """Loop work below which a kernel runs serially (dispatch.py); measured or default."""
+        return int(self._entry().get("min_parallel_work", DEFAULT_MIN_PARALLEL_WORK))
+
+    def record_min_parallel_work(self, work: int) -> None:
+        self._entry()["min_parallel_work"] = int(work)
 
     def record_rates(self, rates: dict) -> None:
         self._entry()["rates"].update(rates)

@@ -61,13 +61,12 @@ def default_tile_knobs(isa: VectorISA, columns: int, row_extent) -> TileKnobs:
 
     Start from `vectors` = 2 (AVX-512, AVX2) or 4 (NEON: 4-lane registers, 16-wide panels);
     fewer when the output has fewer columns (16 output channels need one AVX-512 vector, not a
-    half-empty second). Rows fill the remaining registers (rows x vectors + vectors + 1), capped
-    at MAX_ROWS and, when the row extent is a known number, at that extent, so that the tiled
-    version is the one that runs.
+    half-empty second). Rows are the most that `isa.fits_registers` allows (registers, and the
+    stack-array limit), capped at MAX_ROWS and, when the row extent is a known number, at that
+    extent, so that the tiled version is the one that runs.
     """
     vectors = min(4 if isa.lanes == 4 else 2, max(1, -(-columns // isa.lanes)))
-    rows = (isa.registers - 1 - vectors) // vectors
-    rows = min(rows, MAX_ROWS, 8 if vectors > 1 else MAX_ROWS)
+    rows = max([r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)], default=1)
     if isinstance(row_extent, (int, tirx.IntImm)) and int(row_extent) >= 4:
         rows = min(rows, int(row_extent))
     return TileKnobs(rows=rows, vectors=vectors)
@@ -75,8 +74,9 @@ def default_tile_knobs(isa: VectorISA, columns: int, row_extent) -> TileKnobs:
 
 def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_extent,
                             out_row_axis: int, knobs: TileKnobs, isa: VectorISA,
-                            version: str) -> list[tuple]:
+                            version: str, parallel: bool = True) -> list[tuple]:
     """Schedule tiles/out as the micro-kernel above; returns the tail rewrites still to apply.
+    `parallel` False keeps the outer loops serial (the small-work version, dispatch.py).
 
     The rewrites (`apply_tail_rewrites`) change loop bounds and block bindings, which schedule
     primitives would reject afterwards, so they run last, on the finished PrimFunc.
@@ -100,8 +100,10 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
         unrolled = [col_vector]
         write_back_at = row
     sch.reverse_compute_at(out_block, write_back_at)
-    sch.set_scope(tiles_block, 0, "local")
-    _parallelize(sch, parallel_loops)
+    # The accumulator tile stays in the "global" scope: only there does TVM make a small buffer
+    # a stack array that LLVM keeps in registers ("local" ones are heap workspaces; isa.py).
+    if parallel:
+        _parallelize(sch, parallel_loops)
     for loop in unrolled + inner_reduction:
         sch.unroll(loop)
     sch.vectorize(col_lane)

@@ -5,7 +5,9 @@ passes/select_gemm_kernel.py, which emit TE computes whose tiles block carries i
 knobs as block annotations (register_tile.py); FuseTIR keeps block annotations, so after fusion
 this pass finds the tiles block, inlines the fused elementwise epilogue into the kernel's
 write-back, schedules each shape bucket of dispatch.py, and joins the versions with an `if` on
-the run-time extent. PrimFuncs without a kernel block are left to the fallback schedule.
+the run-time extent. Each row version comes serial and parallel where the kernel's work may
+fall below the parallel threshold (dispatch.parallel_buckets). PrimFuncs without a kernel block
+are left to the fallback schedule.
 """
 
 from __future__ import annotations
@@ -14,9 +16,17 @@ import tvm
 from tvm import s_tir, tirx
 
 from . import conv2d, gemm
-from .dispatch import join_versions, row_buckets
+from .dispatch import (
+    DEFAULT_MIN_PARALLEL_WORK,
+    combine,
+    join_versions,
+    loop_work,
+    parallel_buckets,
+    row_buckets,
+)
 from .fallback_cpu import parallelize_outer_loops
 from .isa import VectorISA, isa_for_target
+from .knob_database import KnobDatabase
 from .register_tile import (
     KERNEL_ANNOTATION,
     OUTPUT_ROW_AXIS_ANNOTATION,
@@ -35,18 +45,24 @@ REGISTER_TILE_KERNELS = {conv2d.DIRECT, gemm.DENSE, gemm.MATMUL}
 class ScheduleKernels:
     """Schedule tightfit kernels (and mark them scheduled); leave every other PrimFunc alone."""
 
+    def __init__(self, knob_database: str | None = None):
+        self.knob_database = knob_database
+
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        isa = isa_for_target(tvm.target.Target.current(allow_none=True))
+        target = tvm.target.Target.current(allow_none=True)
+        isa = isa_for_target(target)
+        min_parallel_work = KnobDatabase.open(self.knob_database, target).min_parallel_work()
         mod = mod.clone()
         for global_var, func in list(mod.functions.items()):
             if isinstance(func, tirx.PrimFunc) and not _is_scheduled(func):
-                scheduled = schedule_kernel_func(func, isa)
+                scheduled = schedule_kernel_func(func, isa, min_parallel_work)
                 if scheduled is not None:
                     mod[global_var] = scheduled
         return mod
 
 
-def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA) -> tirx.PrimFunc | None:
+def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
+                         min_parallel_work: int = DEFAULT_MIN_PARALLEL_WORK) -> tirx.PrimFunc | None:
     """The scheduled, version-dispatching PrimFunc, or None when `func` holds no kernel."""
     found = find_kernel_block(func)
     if found is None:
@@ -60,7 +76,10 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA) -> tirx.PrimFunc |
     out_row_axis = int(annotations[OUTPUT_ROW_AXIS_ANNOTATION])
     row_extent = out_buffer.shape[out_row_axis]
     versions = []
-    for version, condition in row_buckets(row_extent, rows):
+    buckets = [(version, parallel, combine(row_condition, work_condition))
+               for version, row_condition in row_buckets(row_extent, rows)
+               for parallel, work_condition in parallel_buckets(loop_work(func), min_parallel_work)]
+    for version, parallel, condition in buckets:
         sch = s_tir.Schedule(func)
         tiles = sch.get_sblock(block_name)
         out_block = inline_epilogue(sch, _single_consumer(sch, tiles))
@@ -68,13 +87,14 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA) -> tirx.PrimFunc |
             knobs = TileKnobs(rows, int(annotations[VECTORS_ANNOTATION]),
                               int(annotations.get("tightfit.reduction_unroll", 1)))
             rewrites = schedule_register_tiles(sch, tiles, out_block, row_extent, out_row_axis,
-                                               knobs, isa, version)
+                                               knobs, isa, version, parallel)
         elif kind == conv2d.DEPTHWISE:
             rewrites = conv2d.schedule_depthwise(sch, tiles, out_block, row_extent, out_row_axis,
-                                                 rows, version)
+                                                 rows, version, parallel)
         else:
             raise ValueError(f"no schedule for kernel kind {kind!r} (block {block_name})")
-        parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
+        if parallel:
+            parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
         versions.append((condition, apply_tail_rewrites(sch.mod["main"], rewrites)))
     return join_versions(versions).with_attr("tirx.is_scheduled", True)
 

@@ -70,8 +70,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         # 4. schedule kernels: tuned records where the database has them, tightfit's kernels in one
         #    version per shape bucket, then the rest
         *([_apply_tuning_records(options.tuning_database, target)] if options.tuning_database else []),
-        *([ScheduleKernels()] if options.fast_kernels else []),
-        *([FallbackCPUSchedule()] if options.fallback_schedule else []),
+        *([ScheduleKernels(options.knob_database)] if options.fast_kernels else []),
+        *([FallbackCPUSchedule(options.knob_database)] if options.fallback_schedule else []),
         # 5. lower dataflow to VM code; plan memory
         relax.transform.RewriteDataflowReshape(),
         relax.transform.ToNonDataflow(),

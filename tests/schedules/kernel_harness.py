@@ -38,7 +38,7 @@ def compile_with_kernels(mod: tvm.IRModule, target: tvm.target.Target = HOST,
     passes = [SelectConvAlgorithm(knob_database), SelectGemmKernel(knob_database),
               relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
               relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-              ScheduleKernels(), FallbackCPUSchedule()]
+              ScheduleKernels(knob_database), FallbackCPUSchedule(knob_database)]
     with target, tvm.transform.PassContext(opt_level=3):
         for compiler_pass in passes:
             mod = compiler_pass(mod)
