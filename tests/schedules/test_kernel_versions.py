@@ -1,0 +1,146 @@
+"""Every version of every tightfit kernel matches onnxruntime, at the edges of its buckets.
+
+A kernel over a symbolic row extent M has a row-tile version (M >= rows) and a single-row
+version (M < rows), each serial and parallel (dispatch.py). The two knob databases below force
+the parallel or the serial side of the work `if`, and the extents probe each row bucket at its
+edges: 1, rows - 1, rows, rows + 1 (the last tile shifted back by one row), and a few tiles plus
+a remainder.
+"""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+
+import tightfit
+from tightfit.feeds import run_onnxruntime
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.schedules.isa import isa_for_target
+from tightfit.schedules.register_tile import default_tile_knobs
+from tightfit.target import resolve_target
+
+from kernel_harness import kernel_blocks
+
+ARM64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
+
+
+def _model(name, nodes, inputs, outputs, initializers) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _weight(rng, name, shape) -> onnx.TensorProto:
+    return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+
+def dense_model(columns: int) -> onnx.ModelProto:
+    """x[m, 24] @ W[24, columns] + b, ReLU: the packed dense kernel with a fused epilogue."""
+    rng = np.random.default_rng(0)
+    return _model("dense", [helper.make_node("Gemm", ["x", "w", "b"], ["g"]),
+                            helper.make_node("Relu", ["g"], ["y"])],
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 24])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", columns])],
+                  [_weight(rng, "w", (24, columns)), _weight(rng, "b", (columns,))])
+
+
+def batched_matmul_model(columns: int) -> onnx.ModelProto:
+    """a[2, m, 12] @ b[2, 12, columns], both at run time: the kernel that packs its right side."""
+    return _model("batched_matmul", [helper.make_node("MatMul", ["a", "b"], ["y"])],
+                  [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, "m", 12]),
+                   helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 12, columns])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "m", columns])], [])
+
+
+def conv_model(channels: int, out_channels: int, groups: int) -> onnx.ModelProto:
+    """3x3 conv, pad 1, over image[1, channels, 5, w], bias and ReLU fused; w is the row extent."""
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                              group=groups),
+             helper.make_node("Relu", ["c"], ["y"])]
+    return _model("conv", nodes,
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 5, "w"])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, 5, "w"])],
+                  [_weight(rng, "w", (out_channels, channels // groups, 3, 3)),
+                   _weight(rng, "b", (out_channels,))])
+
+
+@pytest.fixture(scope="module", params=["parallel", "serial"])
+def knob_database(request, tmp_path_factory) -> str:
+    """A knob database whose parallel threshold sends every run to one side of the work `if`."""
+    target_key = str(resolve_target("host").tvm_target)
+    threshold = 1 if request.param == "parallel" else 1 << 60
+    path = tmp_path_factory.mktemp("knobs") / f"{request.param}.json"
+    path.write_text(json.dumps({"format": 1, "targets": {target_key: {
+        "tiles": {}, "rates": {}, "min_parallel_work": threshold}}}))
+    return str(path)
+
+
+def row_edges(rows: int) -> list[int]:
+    return sorted({1, max(1, rows - 1), rows, rows + 1, 3 * rows + 2})
+
+
+def host_rows(columns: int) -> int:
+    """The register tile's rows for `columns` output columns on this host (no knob records)."""
+    isa = isa_for_target(resolve_target("host").tvm_target)
+    return default_tile_knobs(isa, columns, tvm.tirx.Var("m", "int64")).rows
+
+
+def assert_matches_onnxruntime(model, kernel, knob_database, feeds_at, extents):
+    options = PipelineOptions(knob_database=knob_database)
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert kernel in kernel_blocks(scheduled), f"{model.graph.name} does not use {kernel}"
+    session = tightfit.compile(model, options=options).session()
+    for extent in extents:
+        feeds = feeds_at(extent)
+        expected = run_onnxruntime(model, feeds)
+        ours = session.run(feeds)
+        for name, value in expected.items():
+            np.testing.assert_allclose(ours[name], value, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{model.graph.name} at extent {extent}")
+
+
+def _normal(*shape) -> np.ndarray:
+    return np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("columns", [10, 40])
+def test_dense_versions_match_onnxruntime_at_row_bucket_edges(knob_database, columns):
+    assert_matches_onnxruntime(dense_model(columns), "dense_packed", knob_database,
+                               lambda m: {"x": _normal(m, 24)}, row_edges(host_rows(columns)))
+
+
+def test_batched_matmul_versions_match_onnxruntime_at_row_bucket_edges(knob_database):
+    assert_matches_onnxruntime(batched_matmul_model(20), "matmul_packed_rhs", knob_database,
+                               lambda m: {"a": _normal(2, m, 12), "b": _normal(2, 12, 20)},
+                               row_edges(host_rows(20)))
+
+
+def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_database):
+    assert_matches_onnxruntime(conv_model(4, 24, groups=1), "conv2d_direct", knob_database,
+                               lambda w: {"x": _normal(1, 4, 5, w)}, row_edges(host_rows(24)))
+
+
+def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database):
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    assert_matches_onnxruntime(conv_model(6, 6, groups=6), "conv2d_depthwise", knob_database,
+                               lambda w: {"x": _normal(1, 6, 5, w)}, row_edges(lanes))
+
+
+@pytest.mark.parametrize("model, kernel", [(dense_model(40), "dense_packed"),
+                                           (batched_matmul_model(20), "matmul_packed_rhs"),
+                                           (conv_model(4, 24, groups=1), "conv2d_direct"),
+                                           (conv_model(6, 6, groups=6), "conv2d_depthwise")],
+                         ids=["dense", "batched_matmul", "conv", "depthwise"])
+def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
+    target = resolve_target(ARM64)
+    scheduled, _ = run_pipeline(import_onnx(model).mod, target,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert kernel in kernel_blocks(scheduled)
+    assert "T.vectorized(T.int64(4))" in scheduled.script()
+    assert "T.vectorized(T.int64(16))" not in scheduled.script()
+    assert tightfit.compile(model, target=ARM64).executable is not None
