@@ -9,8 +9,10 @@ and, interleaved run by run, made TVM's thread pool 20x slower (measured: 23.7 m
 - tightfit: `tightfit.compile` for the host;
 - onnxruntime: an InferenceSession with default session options (what its users get);
 - tvm-default: `from_onnx` + `tvm.compile(mod, target)` with TVM's default pipeline.
-Every engine runs on the same thread count (tightfit and TVM share TVM's pool, sized by
-TVM_NUM_THREADS; onnxruntime's default is one thread per physical core). Peak memory is the peak
+Every engine runs on the same thread count, stated in the report: tightfit and TVM share TVM's
+pool (sized by TVM_NUM_THREADS, which tightfit sets to the cores it may run on; the count is
+read back from the pool), and onnxruntime's intra-op pool is given that count (its default, one
+thread per physical core, is the same on a machine whose cores are all ours). Peak memory is the peak
 RSS of a fresh process that loads and runs the model once, minus that of a process that only
 imports the same libraries. An engine that cannot import or run a model is reported as failed with
 its reason, and the others are still measured.
@@ -52,7 +54,7 @@ class ShapeTiming:
 @dataclass
 class ModelBenchmark:
     model: str
-    threads: int
+    threads: int  # TVM's pool (tightfit and tvm-default) and onnxruntime's intra-op pool
     repeat: int
     compile_seconds: dict[str, float] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
@@ -76,8 +78,7 @@ def benchmark_model(
     """Measure one model at each of `shape_sets` (input name → concrete shape)."""
     proto = load_onnx(model)
     specs = declared_inputs(proto.graph)
-    threads = int(os.environ.get("TVM_NUM_THREADS", len(os.sched_getaffinity(0))))
-    result = ModelBenchmark(name or proto.graph.name or "model", threads, repeat)
+    result = ModelBenchmark(name or proto.graph.name or "model", tvm_pool_threads(), repeat)
     runners = _build_engines(proto, result)
     feeds_for = feeds_for or (lambda shapes: random_feeds(specs, shapes))
     for shapes in shape_sets:
@@ -114,8 +115,16 @@ def benchmark_model(
     return result
 
 
+def tvm_pool_threads() -> int:
+    """The threads of TVM's pool in this process (tightfit's import sizes it; see __init__)."""
+    import tvm
+
+    return int(tvm.get_global_func("runtime.NumThreads")())
+
+
 def _build_engines(proto: onnx.ModelProto, result: ModelBenchmark) -> dict[str, Callable]:
-    builders = {"tightfit": _tightfit_runner, "onnxruntime": _onnxruntime_runner,
+    builders = {"tightfit": _tightfit_runner,
+                "onnxruntime": lambda model: _onnxruntime_runner(model, result.threads),
                 "tvm-default": _tvm_default_runner}
     runners = {}
     for engine, build in builders.items():
@@ -136,10 +145,13 @@ def _tightfit_runner(proto: onnx.ModelProto) -> Callable:
     return session.run
 
 
-def _onnxruntime_runner(proto: onnx.ModelProto) -> Callable:
+def _onnxruntime_runner(proto: onnx.ModelProto, threads: int = 0) -> Callable:
+    """An onnxruntime session on `threads` intra-op threads (0: its default)."""
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(proto.SerializeToString(),
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), options,
                                            providers=["CPUExecutionProvider"])
     names = [output.name for output in session.get_outputs()]
     return lambda feeds: dict(zip(names, session.run(names, feeds)))
@@ -297,9 +309,10 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
     failures = [(r.model, engine, why) for r in results for engine, why in r.failures.items()]
     if failures:
         lines += ["", "Failures:"] + [f"- {model} / {engine}: {why}" for model, engine, why in failures]
-    threads = sorted({r.threads for r in results})
-    lines += ["", f"Threads: {', '.join(map(str, threads))} (TVM_NUM_THREADS; onnxruntime default "
-              f"session options). Median of the timed runs after warm-up, engines taking turns in {ROUNDS} rounds."]
+    threads = ", ".join(map(str, sorted({r.threads for r in results})))
+    lines += ["", f"Threads: {threads} for every engine (TVM's pool for tightfit and tvm-default, "
+              f"onnxruntime's intra_op_num_threads; {os.cpu_count()} CPUs on this machine). Median "
+              f"of the timed runs after warm-up, engines taking turns in {ROUNDS} rounds."]
     return "\n".join(lines)
 
 
