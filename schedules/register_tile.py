@@ -62,14 +62,28 @@ def default_tile_knobs(isa: VectorISA, columns: int, row_extent) -> TileKnobs:
     Start from `vectors` = 2 (AVX-512, AVX2) or 4 (NEON: 4-lane registers, 16-wide panels);
     fewer when the output has fewer columns (16 output channels need one AVX-512 vector, not a
     half-empty second). Rows are the most that `isa.fits_registers` allows (registers, and the
-    stack-array limit), capped at MAX_ROWS and, when the row extent is a known number, at that
-    extent, so that the tiled version is the one that runs.
+    stack-array limit), capped at MAX_ROWS. When the row extent is a known number, the rows are
+    instead the ones, from half that height up, with the least `tile_cost` over the extent: tiles
+    cover it with the last one shifted back, so rows that do not divide it compute some rows
+    twice (a 32-pixel-wide conv in 15-row tiles computes 45).
     """
     vectors = min(4 if isa.lanes == 4 else 2, max(1, -(-columns // isa.lanes)))
     rows = max([r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)], default=1)
-    if isinstance(row_extent, (int, tirx.IntImm)) and int(row_extent) >= 4:
-        rows = min(rows, int(row_extent))
+    if isinstance(row_extent, (int, tirx.IntImm)):
+        extent = int(row_extent)
+        if extent < rows:
+            return TileKnobs(rows=max(1, extent), vectors=vectors)
+        rows = min(range(max(1, rows // 2), rows + 1),
+                   key=lambda r: (-(-extent // r) * tile_cost(r, vectors), -r))
     return TileKnobs(rows=rows, vectors=vectors)
+
+
+def tile_cost(rows: int, vectors: int) -> int:
+    """Issue slots of one reduction step of a tile: its multiply-adds or its loads (a broadcast
+    per row, a vector of B per column vector), whichever is more, since a core issues about as
+    many loads as FMAs per cycle (Zen, Cortex-A7x); plus one for the loop's own update and
+    branch, which favours fewer, taller tiles when the rest ties."""
+    return max(rows * vectors, rows + vectors) + 1
 
 
 def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_extent,

@@ -9,10 +9,11 @@ and, interleaved run by run, made TVM's thread pool 20x slower (measured: 23.7 m
 - tightfit: `tightfit.compile` for the host;
 - onnxruntime: an InferenceSession with default session options (what its users get);
 - tvm-default: `from_onnx` + `tvm.compile(mod, target)` with TVM's default pipeline.
-Every engine runs on the same thread count, stated in the report: tightfit and TVM share TVM's
-pool (sized by TVM_NUM_THREADS, which tightfit sets to the cores it may run on; the count is
-read back from the pool), and onnxruntime's intra-op pool is given that count (its default, one
-thread per physical core, is the same on a machine whose cores are all ours). Peak memory is the peak
+The thread counts are stated in the report: tightfit and TVM share TVM's pool (sized by
+TVM_NUM_THREADS, which tightfit sets to the cores it may run on; the count is read back from the
+pool); onnxruntime keeps its default options, whose intra-op pool has one thread per physical
+core (setting the count explicitly also drops its thread affinity, so it is left alone). On a
+machine whose cores are all ours the counts are equal. Peak memory is the peak
 RSS of a fresh process that loads and runs the model once, minus that of a process that only
 imports the same libraries. An engine that cannot import or run a model is reported as failed with
 its reason, and the others are still measured.
@@ -54,8 +55,9 @@ class ShapeTiming:
 @dataclass
 class ModelBenchmark:
     model: str
-    threads: int  # TVM's pool (tightfit and tvm-default) and onnxruntime's intra-op pool
+    threads: int  # TVM's pool: tightfit and tvm-default
     repeat: int
+    onnxruntime_threads: int = 0  # its default intra-op pool: one thread per physical core
     compile_seconds: dict[str, float] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     shapes: list[ShapeTiming] = field(default_factory=list)
@@ -78,7 +80,8 @@ def benchmark_model(
     """Measure one model at each of `shape_sets` (input name → concrete shape)."""
     proto = load_onnx(model)
     specs = declared_inputs(proto.graph)
-    result = ModelBenchmark(name or proto.graph.name or "model", tvm_pool_threads(), repeat)
+    result = ModelBenchmark(name or proto.graph.name or "model", tvm_pool_threads(), repeat,
+                            physical_cores())
     runners = _build_engines(proto, result)
     feeds_for = feeds_for or (lambda shapes: random_feeds(specs, shapes))
     for shapes in shape_sets:
@@ -122,9 +125,15 @@ def tvm_pool_threads() -> int:
     return int(tvm.get_global_func("runtime.NumThreads")())
 
 
+def physical_cores() -> int:
+    """What onnxruntime's default intra-op pool is sized to."""
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 def _build_engines(proto: onnx.ModelProto, result: ModelBenchmark) -> dict[str, Callable]:
-    builders = {"tightfit": _tightfit_runner,
-                "onnxruntime": lambda model: _onnxruntime_runner(model, result.threads),
+    builders = {"tightfit": _tightfit_runner, "onnxruntime": _onnxruntime_runner,
                 "tvm-default": _tvm_default_runner}
     runners = {}
     for engine, build in builders.items():
@@ -145,13 +154,10 @@ def _tightfit_runner(proto: onnx.ModelProto) -> Callable:
     return session.run
 
 
-def _onnxruntime_runner(proto: onnx.ModelProto, threads: int = 0) -> Callable:
-    """An onnxruntime session on `threads` intra-op threads (0: its default)."""
+def _onnxruntime_runner(proto: onnx.ModelProto) -> Callable:
     import onnxruntime
 
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = onnxruntime.InferenceSession(proto.SerializeToString(), options,
+    session = onnxruntime.InferenceSession(proto.SerializeToString(),
                                            providers=["CPUExecutionProvider"])
     names = [output.name for output in session.get_outputs()]
     return lambda feeds: dict(zip(names, session.run(names, feeds)))
@@ -309,10 +315,11 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
     failures = [(r.model, engine, why) for r in results for engine, why in r.failures.items()]
     if failures:
         lines += ["", "Failures:"] + [f"- {model} / {engine}: {why}" for model, engine, why in failures]
-    threads = ", ".join(map(str, sorted({r.threads for r in results})))
-    lines += ["", f"Threads: {threads} for every engine (TVM's pool for tightfit and tvm-default, "
-              f"onnxruntime's intra_op_num_threads; {os.cpu_count()} CPUs on this machine). Median "
-              f"of the timed runs after warm-up, engines taking turns in {ROUNDS} rounds."]
+    tvm_threads = ", ".join(map(str, sorted({r.threads for r in results})))
+    ort_threads = ", ".join(map(str, sorted({r.onnxruntime_threads for r in results})))
+    lines += ["", f"Threads: tightfit and tvm-default {tvm_threads} (TVM's pool), onnxruntime "
+              f"{ort_threads} (its default: one per physical core); {os.cpu_count()} CPUs on this "
+              f"machine. Median of the timed runs after warm-up, engines taking turns in {ROUNDS} rounds."]
     return "\n".join(lines)
 
 

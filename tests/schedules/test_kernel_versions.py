@@ -55,16 +55,17 @@ def batched_matmul_model(columns: int) -> onnx.ModelProto:
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "m", columns])], [])
 
 
-def conv_model(channels: int, out_channels: int, groups: int) -> onnx.ModelProto:
-    """3x3 conv, pad 1, over image[1, channels, 5, w], bias and ReLU fused; w is the row extent."""
+def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3) -> onnx.ModelProto:
+    """kernel x kernel conv, same padding, over image[1, channels, 5, w], bias and ReLU fused; w
+    is the row extent. kernel 1 is the pointwise case, which reads the input unpacked."""
     rng = np.random.default_rng(1)
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
-                              group=groups),
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[kernel, kernel],
+                              pads=[kernel // 2] * 4, group=groups),
              helper.make_node("Relu", ["c"], ["y"])]
     return _model("conv", nodes,
                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 5, "w"])],
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, 5, "w"])],
-                  [_weight(rng, "w", (out_channels, channels // groups, 3, 3)),
+                  [_weight(rng, "w", (out_channels, channels // groups, kernel, kernel)),
                    _weight(rng, "b", (out_channels,))])
 
 
@@ -120,8 +121,10 @@ def test_batched_matmul_versions_match_onnxruntime_at_row_bucket_edges(knob_data
                                row_edges(host_rows(20)))
 
 
-def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_database):
-    assert_matches_onnxruntime(conv_model(4, 24, groups=1), "conv2d_direct", knob_database,
+@pytest.mark.parametrize("kernel", [3, 1])
+def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_database, kernel):
+    assert_matches_onnxruntime(conv_model(4, 24, groups=1, kernel=kernel), "conv2d_direct",
+                               knob_database,
                                lambda w: {"x": _normal(1, 4, 5, w)}, row_edges(host_rows(24)))
 
 
