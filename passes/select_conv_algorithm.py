@@ -10,8 +10,7 @@ compile time) the candidates are
   input and the GEMM result are workspace.
 Cost of a candidate = its multiply-adds / its measured multiply-add rate + the bytes its stages
 move / the memory bandwidth + the transforms' arithmetic, all in seconds (schedules/conv_cost.py);
-the rates come from the knob database when `tightfit tune` has calibrated this target, else from
-MNN-style defaults. The cheapest candidate that fits `max_workspace_bytes` wins (a memory budget
+the rates come from the knob database where recorded, else from MNN-style defaults (conv_cost.py). The cheapest candidate that fits `max_workspace_bytes` wins (a memory budget
 may lower it: FlexNN's kernel choice under a budget). Symbolic extents are costed at
 `typical_extent` (or the function's `tir_var_upper_bound`).
 

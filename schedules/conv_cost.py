@@ -7,8 +7,9 @@ cost, measured on real machines. Here each term is in seconds:
     multiply-adds / macs_per_second(kernel)
   + bytes moved by the packing and transform stages / bytes_per_second
   + transform arithmetic / transform_flops_per_second
-with the three rates measured on the target by `tightfit tune` (knob_search.calibrate, stored
-in the knob database) or, before that, the defaults below: 60% of the vector unit's FMA peak
+with the three rates read from the knob database's "rates" where recorded (the knob search,
+knob_search.py, does not measure them yet: it records tiles and the parallel threshold), else
+the defaults below: 60% of the vector unit's FMA peak
 at 3 GHz on the target's cores for the register-tile GEMM, a quarter of that for the
 transforms (short, shuffle-bound loops), 10 GB/s for memory. Zero padding of output channels to
 whole vector panels counts as work, because the kernels do it.

@@ -71,7 +71,10 @@ class KnobDatabase:
 
     def record_tiles(self, kind: str, columns: int, row_extent, isa: VectorISA, knobs: TileKnobs,
                      microseconds: float, shape: str) -> None:
-        self._entry()["tiles"][bucket_key(kind, columns, row_extent, isa)] = {
+        self.record_bucket(bucket_key(kind, columns, row_extent, isa), knobs, microseconds, shape)
+
+    def record_bucket(self, bucket: str, knobs: TileKnobs, microseconds: float, shape: str) -> None:
+        self._entry()["tiles"][bucket] = {
             "rows": knobs.rows, "vectors": knobs.vectors,
             "reduction_unroll": knobs.reduction_unroll, "us": round(microseconds, 3),
             "shape": shape}

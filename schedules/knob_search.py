@@ -1,0 +1,230 @@
+"""A short search over each kernel's knobs, measured on the target, kept in the knob database.
+
+MNN's semi-automatic search (MNN §3.2: hand-written kernels whose few parameters are chosen by
+measuring on the device, between fixed kernels and full auto-tuning). For one model at given
+input shapes:
+1. Every register-tile kernel of the compiled model (schedule_kernels.py) is found with its
+   database bucket (knob_database.bucket_key: kind, column vectors, row-extent bucket).
+2. Candidates per bucket: each register tile (rows, vectors) that `isa.fits_registers` allows,
+   from half the tallest tile up and no wider than the columns need, each with the innermost
+   reduction unrolled by 1 or UNROLL; at most `max_candidates`, tallest tiles first (the
+   defaults' choice) so that a cut keeps the likely winners.
+3. Round k compiles the model with every bucket's k-th candidate in a scratch database (one
+   pipeline run serves all buckets), builds each kernel's PrimFunc alone and times it at the
+   given shapes on the target (TVM's time_evaluator: median of REPEAT runs of NUMBER calls).
+4. The fastest candidate of each bucket is recorded, with its time and shape; so is the
+   measured parallel threshold (`calibrate_min_parallel_work`). Compiles read the records;
+   nothing is measured during a compile. MetaSchedule records, where present, still win.
+The search runs on the host; a device target needs its kernels timed over RPC, which
+`tightfit tune` does for MetaSchedule and this module does not yet. The driver (`search`) runs
+tightfit's importer and pipeline, imported when called: they sit above schedules/ (DESIGN.md
+"Layout"); the kernel-level pieces below them do not need them.
+Run: python -m tightfit.schedules.knob_search MODEL.onnx --db knobs.json --shapes x=1,3,32,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import s_tir, te, tirx
+
+from .isa import isa_for_target
+from .knob_database import KnobDatabase, bucket_key
+from .register_tile import KERNEL_ANNOTATION, MAX_ROWS, OUTPUT_ROW_AXIS_ANNOTATION, TileKnobs
+from .schedule_kernels import REGISTER_TILE_KERNELS
+from .tail_tiles import rewrite_loop_nest
+
+UNROLL = 4
+NUMBER = 20
+REPEAT = 5
+DEFAULT_MAX_CANDIDATES = 24
+
+
+def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
+           max_candidates: int = DEFAULT_MAX_CANDIDATES) -> dict[str, dict]:
+    """Search every kernel bucket of `model` (ONNX path or proto) at `shapes` on the host and
+    record the winners in `database_path`; returns {bucket: {"knobs", "us", "tried"}}."""
+    from ..frontend import import_onnx
+    from ..target import resolve_target
+
+    target = resolve_target("host")
+    imported = import_onnx(model)
+    isa = isa_for_target(target.tvm_target)
+    database = KnobDatabase.open(database_path, target.tvm_target)
+    extents = _symbol_values(imported.mod, shapes)
+    buckets = {bucket for bucket, _ in _kernels(_schedule(imported.mod, target, database_path), isa)}
+    candidates = {bucket: candidate_knobs(bucket, isa)[:max_candidates] for bucket in buckets}
+    timings: dict[str, list[tuple[float, TileKnobs]]] = {bucket: [] for bucket in buckets}
+    scratch = Path(database_path).with_suffix(".search.json")
+    try:
+        for round_index in range(max((len(c) for c in candidates.values()), default=0)):
+            trial = KnobDatabase(scratch, database.target_key, json.loads(json.dumps(database.data)))
+            tried = {}
+            for bucket, knobs_list in candidates.items():
+                if round_index < len(knobs_list):
+                    tried[bucket] = knobs_list[round_index]
+                    trial.record_bucket(bucket, tried[bucket], 0.0, "candidate")
+            trial.save()
+            scheduled = _schedule(imported.mod, target, str(scratch))
+            seconds: dict[str, float] = {}
+            for bucket, func in _kernels(scheduled, isa):
+                if bucket in tried:
+                    seconds[bucket] = seconds.get(bucket, 0.0) + time_prim_func(func, extents, target)
+            for bucket, total in seconds.items():
+                timings[bucket].append((total, tried[bucket]))
+    finally:
+        scratch.unlink(missing_ok=True)
+    shape_text = ";".join(f"{name}={'x'.join(map(str, dims))}" for name, dims in shapes.items())
+    results = {}
+    for bucket, measured in timings.items():
+        best_seconds, best = min(measured, key=lambda entry: entry[0])
+        database.record_bucket(bucket, best, best_seconds * 1e6, shape_text)
+        results[bucket] = {"knobs": best, "us": round(best_seconds * 1e6, 3), "tried": len(measured)}
+    database.record_min_parallel_work(calibrate_min_parallel_work(target.tvm_target))
+    database.save()
+    return results
+
+
+def candidate_knobs(bucket: str, isa) -> list[TileKnobs]:
+    """Register tiles for `bucket` (kind/v<column vectors>/m<rows>), tallest first."""
+    column_vectors = int(bucket.split("/")[1][1:])
+    tiles = []
+    for vectors in sorted({v for v in (1, 2, 4) if v <= max(1, column_vectors)}):
+        fitting = [r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)]
+        if fitting:
+            tallest = max(fitting)
+            tiles += [(rows, vectors) for rows in range(max(1, tallest // 2), tallest + 1)]
+    tiles.sort(key=lambda tile: (-tile[0] * tile[1], -tile[0]))
+    return [TileKnobs(rows, vectors, unroll) for rows, vectors in tiles for unroll in (1, UNROLL)]
+
+
+def time_prim_func(func: tirx.PrimFunc, extents: dict[str, int], target) -> float:
+    """Median seconds of one call of `func`, its symbolic dims bound by name to `extents`, on
+    random inputs (the kernel's speed does not depend on the values)."""
+    module = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    library = tvm.compile(module, target=target.tvm_target)
+    analyzer = tvm.sym.Analyzer()
+    for param in func.params:
+        for dim in getattr(param, "shape", []):
+            for var in tirx.analysis.undefined_vars(dim):
+                if var.name not in extents:
+                    raise ValueError(f"no value for the symbolic dim {var.name}: give every "
+                                     "symbolic input dim a value in the shapes")
+                analyzer.bind(var, tirx.const(extents[var.name], str(var.ty.dtype)))
+    device = tvm.cpu()
+    rng = np.random.default_rng(0)
+    arguments = []
+    for param in func.params:
+        if not hasattr(param, "shape"):
+            arguments.append(extents[param.name])
+            continue
+        shape = [int(analyzer.simplify(dim)) for dim in param.shape]
+        arguments.append(tvm.runtime.tensor(np.asarray(rng.random(shape)).astype(param.dtype), device))
+    timer = library.mod.time_evaluator("main", device, number=NUMBER, repeat=REPEAT)
+    return statistics.median(timer(*arguments).results)
+
+
+def calibrate_min_parallel_work(target: tvm.target.Target) -> int:
+    """Loop work at which a parallel loop starts to pay (dispatch.py): the measured cost of a
+    parallel launch over the serial time per innermost iteration of an elementwise loop,
+    rounded up to a power of two."""
+    lanes = isa_for_target(target).lanes
+    small, large = 2, 1 << 12
+
+    def elementwise(rows: int, parallel: bool) -> float:
+        data = te.placeholder((rows, 64), name="data")
+        out = te.compute((rows, 64), lambda i, j: data[i, j] * 2.0 + 1.0, name="out")
+        sch = tvm.s_tir.Schedule(te.create_prim_func([data, out]))
+        row, column = sch.get_loops(sch.get_sblock("out"))
+        _, lane = sch.split(column, [None, lanes])
+        sch.vectorize(lane)
+        if parallel:
+            sch.parallel(row)
+        library = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target)
+        arrays = [tvm.runtime.tensor(np.zeros((rows, 64), "float32")) for _ in range(2)]
+        timer = library.mod.time_evaluator("main", tvm.cpu(), number=100, repeat=REPEAT)
+        return statistics.median(timer(*arrays).results)
+
+    launch = max(0.0, elementwise(small, True) - elementwise(small, False))
+    per_iteration = elementwise(large, False) / (large * 64)
+    work = max(1, int(launch / per_iteration))
+    return 1 << (work - 1).bit_length()
+
+
+def _schedule(mod: tvm.IRModule, target, database_path: str | None) -> tvm.IRModule:
+    from ..pipeline import PipelineOptions, run_pipeline
+
+    scheduled, _ = run_pipeline(mod, target, PipelineOptions(knob_database=database_path),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    return scheduled
+
+
+def _kernels(mod: tvm.IRModule, isa) -> list[tuple[str, tirx.PrimFunc]]:
+    """(bucket, PrimFunc) of each register-tile kernel in a scheduled module."""
+    found = []
+    for global_var, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        annotations = _kernel_annotations(func)
+        if annotations is None or str(annotations[KERNEL_ANNOTATION]) not in REGISTER_TILE_KERNELS:
+            continue
+        kind = str(annotations[KERNEL_ANNOTATION])
+        output = func.params[-1]
+        row_extent = output.shape[int(annotations[OUTPUT_ROW_AXIS_ANNOTATION])]
+        columns = output.shape[1] if kind == "conv2d_direct" else output.shape[-1]
+        static_columns = int(columns) if isinstance(columns, tirx.IntImm) else 64
+        found.append((bucket_key(kind, static_columns, row_extent, isa),
+                      func.with_attr("global_symbol", global_var.name_hint)))
+    return found
+
+
+def _kernel_annotations(func: tirx.PrimFunc) -> dict | None:
+    """The annotations of a scheduled PrimFunc's kernel block (a plain walk: a function joined
+    from versions repeats block iterators and cannot be opened as a Schedule again)."""
+    found = []
+
+    def note(realize):
+        if KERNEL_ANNOTATION in realize.block.annotations:
+            found.append(dict(realize.block.annotations))
+        return realize
+
+    if isinstance(func.body, s_tir.SBlockRealize):
+        rewrite_loop_nest(func.body, note)
+    return found[0] if found else None
+
+
+def _symbol_values(mod: tvm.IRModule, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Symbolic dim name -> value, read off main's inputs at `shapes`."""
+    values = {}
+    for param in mod["main"].params:
+        if param.name not in shapes:
+            continue
+        for dim, value in zip(param.ty.shape.values, shapes[param.name]):
+            if isinstance(dim, tirx.Var):
+                values[dim.name] = int(value)
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tightfit.schedules.knob_search",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("model", help="an ONNX file")
+    parser.add_argument("--db", required=True, help="the knob database (JSON) to update")
+    parser.add_argument("--shapes", required=True, metavar="SPEC",
+                        help="input shapes to measure at, e.g. x=1,3,32,32;y=4,8")
+    parser.add_argument("--max-candidates", type=int, default=DEFAULT_MAX_CANDIDATES)
+    args = parser.parse_args(argv)
+    shapes = {name: tuple(int(d) for d in dims.split(","))
+              for name, dims in (item.split("=") for item in args.shapes.split(";"))}
+    results = search(args.model, args.db, shapes, args.max_candidates)
+    print(json.dumps({bucket: {**r, "knobs": vars(r["knobs"])} for bucket, r in results.items()},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

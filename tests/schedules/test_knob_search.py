@@ -1,0 +1,45 @@
+"""The knob search measures candidates for each kernel bucket, records the fastest in the
+on-disk database keyed by target, kind and bucket, and compiles then use the record."""
+
+import json
+
+import numpy as np
+from test_kernel_versions import dense_model
+
+import tightfit
+from tightfit.feeds import run_onnxruntime
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.schedules.isa import isa_for_target
+from tightfit.schedules.knob_search import candidate_knobs, search
+from tightfit.target import resolve_target
+
+
+def test_search_records_the_fastest_candidate_and_compiles_use_it(tmp_path):
+    database = tmp_path / "knobs.json"
+    model = dense_model(40)
+    results = search(model, database, {"x": (37, 24)}, max_candidates=3)
+
+    assert list(results) == ["dense_packed/v3/mdyn"]
+    stored = json.loads(database.read_text())["targets"][str(resolve_target("host").tvm_target)]
+    record = stored["tiles"]["dense_packed/v3/mdyn"]
+    assert results["dense_packed/v3/mdyn"]["tried"] == 3
+    assert record["us"] == results["dense_packed/v3/mdyn"]["us"] > 0
+    assert stored["min_parallel_work"] >= 1
+
+    options = PipelineOptions(knob_database=str(database))
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert f'"tightfit.rows": {record["rows"]}' in scheduled.script()
+    feeds = {"x": np.random.default_rng(0).standard_normal((37, 24)).astype(np.float32)}
+    ours = tightfit.compile(model, options=options).session().run(feeds)
+    np.testing.assert_allclose(ours["y"], run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
+def test_candidates_fit_the_register_budget_and_the_columns():
+    isa = isa_for_target(resolve_target({"kind": "llvm", "mtriple": "aarch64-linux-gnu",
+                                         "mattr": ["+neon"]}).tvm_target)
+    candidates = candidate_knobs("conv2d_direct/v2/m32", isa)
+    assert candidates and all(isa.fits_registers(c.rows, c.vectors) for c in candidates)
+    assert {c.vectors for c in candidates} == {1, 2}
+    assert {c.reduction_unroll for c in candidates} == {1, 4}
