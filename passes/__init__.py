@@ -5,6 +5,7 @@ from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
 from .select_conv_algorithm import SelectConvAlgorithm
 from .select_gemm_kernel import SelectGemmKernel
+from .use_fast_math import UseFastMath
 
 __all__ = [
     "ClassifyDynamism",
@@ -12,4 +13,5 @@ __all__ = [
     "RankDimensionPropagation",
     "SelectConvAlgorithm",
     "SelectGemmKernel",
+    "UseFastMath",
 ]

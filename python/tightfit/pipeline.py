@@ -24,6 +24,7 @@ from .passes import (
     RankDimensionPropagation,
     SelectConvAlgorithm,
     SelectGemmKernel,
+    UseFastMath,
 )
 from .schedules import FallbackCPUSchedule, ScheduleKernels
 from .weight_file import WeightTensor
@@ -37,6 +38,8 @@ class PipelineOptions:
     fallback_schedule: bool = True
     # tightfit's kernels for conv and matmul (issue 5); off leaves them to TVM's legalization
     fast_kernels: bool = True
+    # exp/erf/tanh/softmax as vectorizable polynomials (a few ulp) instead of libm calls
+    fast_math: bool = True
     # the knob database measured by a knob search (None: $TIGHTFIT_KNOB_DATABASE, else defaults)
     knob_database: str | None = None
     # a MetaSchedule database (`tightfit tune --db DIR`): its best records schedule the kernels
@@ -58,6 +61,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         #    (MNN pre-inference), then every weight transform computed once, offline (FlexNN)
         *([SelectConvAlgorithm(options.knob_database), SelectGemmKernel(options.knob_database)]
           if options.fast_kernels else []),
+        *([UseFastMath()] if options.fast_math else []),
         PreTransformWeights(),
         # 3. lower to TIR and fuse (sorts, scans and sampling to their library kernels first)
         relax.backend.DispatchSampling(),
