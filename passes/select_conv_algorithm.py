@@ -36,6 +36,12 @@ from ..schedules.knob_database import KnobDatabase
 from ..schedules.register_tile import default_tile_knobs
 
 DEFAULT_TYPICAL_EXTENT = 32
+# Output channels per weight panel of the direct conv when the knob database has no record: the
+# knob search on the zoo's CNNs (resnet_style, mobilenet_v2_style, conv_dynamic_hw,
+# detector_fpn; AVX-512 host) chose 16-channel panels with 8-12 pixel rows for every conv
+# bucket, also where 32 or 64 channels would fit two or four vectors: a conv's tile is written
+# back transposed to NCHW, and taller tiles write longer rows.
+CONV_PANEL_WIDTH = 16
 
 
 @relax.expr_functor.mutator
@@ -78,7 +84,7 @@ class _ConvRewriter(relax.PyExprMutator):
                                "conv2d_depthwise", record, name, strides=strides, padding=padding,
                                dilation=dilation, vector_width=self.isa.lanes)
         knobs = self.database.tile_knobs(conv2d.DIRECT, out_channels, out_width, self.isa)
-        knobs = knobs or default_tile_knobs(self.isa, out_channels, out_width)
+        knobs = knobs or default_tile_knobs(self.isa, out_channels, out_width, CONV_PANEL_WIDTH)
         packed = emit_weight_transform(self.builder_, conv2d.pack_conv2d_weight, [weight],
                                        "conv2d_weight_panels",
                                        self.weight_only.transformed_name(call.args[1], "panels"),

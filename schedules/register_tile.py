@@ -56,18 +56,20 @@ class TileKnobs:
 MAX_ROWS = 16
 
 
-def default_tile_knobs(isa: VectorISA, columns: int, row_extent) -> TileKnobs:
+def default_tile_knobs(isa: VectorISA, columns: int, row_extent,
+                       panel_width: int | None = None) -> TileKnobs:
     """The register budget's tile: as many accumulators as fit, no wider than the columns.
 
-    Start from `vectors` = 2 (AVX-512, AVX2) or 4 (NEON: 4-lane registers, 16-wide panels);
-    fewer when the output has fewer columns (16 output channels need one AVX-512 vector, not a
-    half-empty second). Rows are the most that `isa.fits_registers` allows (registers, and the
+    Start from `vectors` = 2 (AVX-512, AVX2) or 4 (NEON: 4-lane registers, 16-wide panels), or
+    from `panel_width` columns when the kernel gives one; fewer when the output has fewer
+    columns (16 output channels need one AVX-512 vector, not a half-empty second). Rows are the most that `isa.fits_registers` allows (registers, and the
     stack-array limit), capped at MAX_ROWS. When the row extent is a known number, the rows are
     instead the ones, from half that height up, with the least `tile_cost` over the extent: tiles
     cover it with the last one shifted back, so rows that do not divide it compute some rows
     twice (a 32-pixel-wide conv in 15-row tiles computes 45).
     """
-    vectors = min(4 if isa.lanes == 4 else 2, max(1, -(-columns // isa.lanes)))
+    preferred = max(1, panel_width // isa.lanes) if panel_width else (4 if isa.lanes == 4 else 2)
+    vectors = min(preferred, max(1, -(-columns // isa.lanes)))
     rows = max([r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)], default=1)
     if isinstance(row_extent, (int, tirx.IntImm)):
         extent = int(row_extent)
