@@ -19,6 +19,8 @@ The choice is recorded in the IR, on the kernel's PrimFunc: `tightfit.algorithm`
 `tightfit.candidates` (name, estimated microseconds, bytes) for every candidate considered.
 Weight packing/transforms are emitted as weight-only bindings, so PreTransformWeights, which
 runs after this pass, computes them once at compile time and stores the result.
+A conv1d (NCW) is rewritten as the conv2d of a one-row image between an expand_dims and a
+squeeze, and then chosen and emitted as any conv2d.
 Limits: grouped convs other than depthwise (multiplier 1) keep TVM's legalization; so do
 non-float32 convs and convs whose weight is computed at run time.
 """
@@ -57,17 +59,41 @@ class _ConvRewriter(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
+        if _is_supported_conv1d(value) and self.weight_only(value.args[1]):
+            self.set_var_remap(binding.var, self._rewrite_conv1d(value, binding.var.name))
+            return
         if not _is_supported_conv(value) or not self.weight_only(value.args[1]):
             super().visit_var_binding_(binding)
             return
         data, weight = (self.visit_expr(arg) for arg in value.args)
-        shape = ConvShape.from_call(value, self.typical)
+        self.set_var_remap(binding.var, self._choose_and_emit(value, data, weight,
+                                                              binding.var.name, value.args[1]))
+
+    def _rewrite_conv1d(self, call: relax.Call, name: str) -> relax.Var:
+        """A conv1d is a conv2d over images one row high: the input and weight get a unit
+        height (expand_dims and squeeze are views, RewriteDataflowReshape keeps them free),
+        the conv2d gets its algorithm and kernel as any other."""
+        data, weight = (self.visit_expr(arg) for arg in call.args)
+        attrs = call.attrs
+        (stride,), (dilation,), (left, right) = (
+            [int(v) for v in values] for values in (attrs.strides, attrs.dilation, attrs.padding))
+        data_2d = self.builder_.emit(relax.op.expand_dims(data, [2]))
+        weight_2d = self.builder_.emit(relax.op.expand_dims(weight, [2]))
+        conv_2d = self.builder_.normalize(relax.op.nn.conv2d(
+            data_2d, weight_2d, strides=[1, stride], padding=[0, left, 0, right],
+            dilation=[1, dilation], groups=int(attrs.groups)))
+        out_2d = self._choose_and_emit(conv_2d, data_2d, weight_2d, f"{name}_2d", call.args[1])
+        return self.builder_.emit(relax.op.squeeze(out_2d, [2]), name)
+
+    def _choose_and_emit(self, call, data, weight, name, source_weight):
+        """Cost the candidates of the conv2d `call`, emit the cheapest; `source_weight` names the
+        packed weight in the weight file."""
+        shape = ConvShape.from_call(call, self.typical)
         costs = candidate_costs(shape, self.isa, self.rates, winograd=False)
         chosen = choose(costs, self.max_workspace_bytes)
-        new_var = self._emit(chosen.name, value, data, weight, costs, binding.var.name)
-        self.set_var_remap(binding.var, new_var)
+        return self._emit(chosen.name, call, data, weight, costs, name, source_weight)
 
-    def _emit(self, algorithm, call, data, weight, costs, name):
+    def _emit(self, algorithm, call, data, weight, costs, name, source_weight):
         attrs = call.attrs
         out_channels = int(call.args[1].ty.shape[0])
         strides = [int(s) for s in attrs.strides]
@@ -87,7 +113,7 @@ class _ConvRewriter(relax.PyExprMutator):
         knobs = knobs or default_tile_knobs(self.isa, out_channels, out_width, CONV_PANEL_WIDTH)
         packed = emit_weight_transform(self.builder_, conv2d.pack_conv2d_weight, [weight],
                                        "conv2d_weight_panels",
-                                       self.weight_only.transformed_name(call.args[1], "panels"),
+                                       self.weight_only.transformed_name(source_weight, "panels"),
                                        panel_width=knobs.vectors * self.isa.lanes)
         record.update(_footprint(costs, algorithm))
         return emit_kernel(self.builder_, conv2d.conv2d_direct, [data, packed], "conv2d_direct",
@@ -139,10 +165,33 @@ def _is_supported_conv(value) -> bool:
     return groups == 1 or (groups == channels == out_channels and in_per_group == 1)
 
 
+def _is_supported_conv1d(value) -> bool:
+    """An NCW/OIW fp32 conv1d with a constant-shape weight, of the groups conv2d supports."""
+    if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+        return False
+    if value.op.name != "relax.nn.conv1d":
+        return False
+    attrs = value.attrs
+    data_ty, weight_ty = value.args[0].ty, value.args[1].ty
+    if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("NCW", "OIW", "NCW"):
+        return False
+    if data_ty.dtype != "float32" or weight_ty.dtype != "float32" or str(attrs.out_dtype or "float32") not in ("", "void", "float32"):
+        return False
+    if weight_ty.shape is None or not all(isinstance(d, tirx.IntImm) for d in weight_ty.shape.values):
+        return False
+    if data_ty.shape is None or not isinstance(data_ty.shape.values[1], tirx.IntImm):
+        return False
+    groups = int(attrs.groups)
+    channels = int(data_ty.shape.values[1])
+    out_channels, in_per_group = (int(d) for d in weight_ty.shape.values[:2])
+    return groups == 1 or (groups == channels == out_channels and in_per_group == 1)
+
+
 def _has_conv(func: relax.Function) -> bool:
     found = []
     relax.analysis.post_order_visit(
-        func, lambda node: found.append(node) if _is_supported_conv(node) else None)
+        func, lambda node: found.append(node)
+        if _is_supported_conv(node) or _is_supported_conv1d(node) else None)
     return bool(found)
 
 

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
+from tightfit.passes.select_conv_algorithm import CONV_PANEL_WIDTH
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
 from tightfit.schedules.register_tile import default_tile_knobs
@@ -69,6 +70,17 @@ def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3) -
                    _weight(rng, "b", (out_channels,))])
 
 
+def conv1d_model(channels: int, out_channels: int, stride: int) -> onnx.ModelProto:
+    """Conv1d (kernel 3, pad 1) over sequence[1, channels, w], as a speech front end."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[3], pads=[1, 1],
+                              strides=[stride])]
+    return _model("conv1d", nodes,
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, "w"])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, "v"])],
+                  [_weight(rng, "w", (out_channels, channels, 3)), _weight(rng, "b", (out_channels,))])
+
+
 @pytest.fixture(scope="module", params=["parallel", "serial"])
 def knob_database(request, tmp_path_factory) -> str:
     """A knob database whose parallel threshold sends every run to one side of the work `if`."""
@@ -84,10 +96,10 @@ def row_edges(rows: int) -> list[int]:
     return sorted({1, max(1, rows - 1), rows, rows + 1, 3 * rows + 2})
 
 
-def host_rows(columns: int) -> int:
+def host_rows(columns: int, panel_width: int | None = None) -> int:
     """The register tile's rows for `columns` output columns on this host (no knob records)."""
     isa = isa_for_target(resolve_target("host").tvm_target)
-    return default_tile_knobs(isa, columns, tvm.tirx.Var("m", "int64")).rows
+    return default_tile_knobs(isa, columns, tvm.tirx.Var("m", "int64"), panel_width).rows
 
 
 def assert_matches_onnxruntime(model, kernel, knob_database, feeds_at, extents):
@@ -125,7 +137,15 @@ def test_batched_matmul_versions_match_onnxruntime_at_row_bucket_edges(knob_data
 def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_database, kernel):
     assert_matches_onnxruntime(conv_model(4, 24, groups=1, kernel=kernel), "conv2d_direct",
                                knob_database,
-                               lambda w: {"x": _normal(1, 4, 5, w)}, row_edges(host_rows(24)))
+                               lambda w: {"x": _normal(1, 4, 5, w)},
+                               row_edges(host_rows(24, CONV_PANEL_WIDTH)))
+
+
+def test_conv1d_runs_as_the_direct_conv_kernel_at_width_bucket_edges(knob_database):
+    rows = host_rows(20, CONV_PANEL_WIDTH)
+    assert_matches_onnxruntime(conv1d_model(6, 20, stride=2), "conv2d_direct", knob_database,
+                               lambda w: {"x": _normal(1, 6, w)},
+                               sorted({2 * edge for edge in row_edges(rows)} | {2 * rows - 1}))
 
 
 def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database):
