@@ -49,11 +49,22 @@ DEFAULT_MIN_PARALLEL_WORK = 1 << 16
 
 
 def parallel_buckets(work, min_parallel_work: int) -> list[tuple[bool, object]]:
-    """[(parallel?, run-time condition or None for "otherwise")] for a kernel's loop work."""
+    """[(parallel?, run-time condition or None for "otherwise")] for a kernel's loop work.
+
+    A symbolic work that reaches the threshold with every dim at 1 (extents grow with the dims
+    they are computed from) always does: no serial version then, which halves the code LLVM
+    compiles for, e.g., a conv whose only symbolic dim is the batch.
+    """
     if work is None:
         return [(True, None)]
     if isinstance(work, (int, tirx.IntImm)):
         return [(int(work) >= min_parallel_work, None)]
+    analyzer = tvm.sym.Analyzer()
+    for var in tirx.analysis.undefined_vars(work):
+        analyzer.bind(var, tirx.const(1, var.ty.dtype))
+    smallest = analyzer.simplify(work)
+    if isinstance(smallest, tirx.IntImm) and smallest.value >= min_parallel_work:
+        return [(True, None)]
     return [(True, work >= min_parallel_work), (False, None)]
 
 
