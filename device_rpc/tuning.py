@@ -71,6 +71,7 @@ class TuningReport:
     measured: int = 0
     failed: int = 0
     skipped_already_measured: int = 0
+    issued: int = 0  # candidates handed to the builder: measured, failed, or still in flight
     best_ms: dict[str, float] = field(default_factory=dict)  # task -> best latency recorded
     seconds: float = 0.0
     devices: int = 0
@@ -175,8 +176,9 @@ def _scheduled_hash(mod: tvm.IRModule) -> int:
 @derived_object
 class SkipMeasured(ms.search_strategy.PySearchStrategy):
     """MetaSchedule's evolutionary search, minus the candidates the database already holds, and
-    never more candidates than the session's `budget` (MetaSchedule's own limit is checked per
-    batch, so its last batch can overshoot)."""
+    never more candidates than the session's `budget`, counted over every task's strategy as they
+    are handed out (MetaSchedule checks its own limit per batch, and one task's batch may still be
+    on the device, unrecorded, when the next task asks for candidates)."""
 
     def __init__(self, database: ms.database.Database, report: TuningReport, budget: int):
         self.database = database
@@ -206,7 +208,7 @@ class SkipMeasured(ms.search_strategy.PySearchStrategy):
 
     def generate_measure_candidates(self):
         while True:
-            budget_left = self.budget - self.report.measured - self.report.failed
+            budget_left = self.budget - self.report.issued
             if budget_left <= 0:
                 return None
             candidates = self.inner.generate_measure_candidates()
@@ -220,7 +222,9 @@ class SkipMeasured(ms.search_strategy.PySearchStrategy):
                 self.inner.notify_runner_results(known, [
                     ms.runner.RunnerResult(self.recorded[_scheduled_hash(c.sch.mod)], None) for c in known])
             if fresh:
-                return fresh[:budget_left]
+                fresh = fresh[:budget_left]
+                self.report.issued += len(fresh)
+                return fresh
 
     def notify_runner_results(self, measure_candidates, results) -> None:
         self.inner.notify_runner_results(measure_candidates, results)
