@@ -14,7 +14,7 @@ from tvm import relax, tirx
 from .errors import CompilationError, CorruptPackageError, PackageError, StalePackageError
 from .frontend import import_onnx
 from .package import Package, SourceModel, load_package, read_manifest
-from .pipeline import PipelineOptions, run_pipeline, split_weights
+from .pipeline import PipelineOptions, fresh_outputs, run_pipeline, split_weights
 from .target import resolve_target
 
 
@@ -62,6 +62,7 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
         weights=weights,
         inputs=imported.inputs,
         outputs=imported.outputs,
+        fresh_outputs=fresh_outputs(lowered),
         target=compile_target.to_json(),
         source=source,
         compile_options={"input_shapes": input_shapes, "options": asdict(options)},

@@ -1,9 +1,10 @@
 """The compiled package (`.tfpkg`): a directory holding everything needed to run a model.
 
-Layout (format version 2):
+Layout (format version 3):
 - `manifest.json`: format version, tightfit and TVM versions, target, the compile options
-  (to rebuild), inputs and outputs as the ONNX graph declares them, and the source model (path,
-  size, modification time, SHA-256) so that a changed source is noticed;
+  (to rebuild), inputs and outputs as the ONNX graph declares them, which outputs each run
+  allocates anew (`fresh_outputs`), and the source model (path, size, modification time,
+  SHA-256) so that a changed source is noticed;
 - `model.so`: the compiled library (Relax VM executable plus kernels) for the target;
 - `weights.tfw`: the pre-transformed weights (`tightfit.weight_file`), mapped at load;
 - `report.json`: what the compiler did (time per pass, kernel count, weight file statistics).
@@ -32,7 +33,7 @@ from .errors import CorruptPackageError, PackageError, StalePackageError
 from .frontend import TensorSpec
 from .weight_file import WeightFile, WeightTensor, write_weight_file
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 LIBRARY = "model.so"
 WEIGHTS = "weights.tfw"
@@ -86,6 +87,8 @@ class Package:
     compile_options: dict = field(default_factory=dict)
     report: dict = field(default_factory=dict)
     path: Path | None = None
+    # per output: allocated anew by every run, so a session hands it out without a copy
+    fresh_outputs: list[bool] = field(default_factory=list)
 
     def session(self, **options) -> "Session":  # noqa: F821
         """A session that runs this package on the host CPU (see `tightfit.session.Session`)."""
@@ -146,6 +149,7 @@ class Package:
             "compile_options": self.compile_options,
             "inputs": [spec.to_json() for spec in self.inputs],
             "outputs": [spec.to_json() for spec in self.outputs],
+            "fresh_outputs": self.fresh_outputs,
             "source": asdict(self.source),
         }
         (directory / REPORT).write_text(json.dumps(self.report, indent=2))
@@ -214,6 +218,7 @@ def load_package(path: str | Path, verify: bool = False, source: str | Path | No
         compile_options=manifest["compile_options"],
         report=json.loads(report_path.read_text()) if report_path.is_file() else {},
         path=directory,
+        fresh_outputs=manifest["fresh_outputs"],
     )
 
 

@@ -177,3 +177,44 @@ def split_weights(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[WeightTensor]]:
     stripped = mod.clone()
     stripped["main"] = main.without_attr("params").without_attr("tightfit.weight_keys")
     return stripped, tensors
+
+
+ALLOCATIONS = ("relax.vm.alloc_tensor", "relax.memory.alloc_tensor", "relax.builtin.alloc_tensor")
+
+
+def fresh_outputs(mod: tvm.IRModule) -> list[bool]:
+    """For each output of the lowered `main` (tuples flattened in order): whether the compiled code
+    allocates it anew on every run, so a session may hand it to the caller without a copy.
+
+    An output that is an input, a weight, a constant of the executable, or a view of one of them
+    (a reshape) is not fresh: the caller could write into the model through it. Anything not
+    traced to an allocation counts as not fresh.
+    """
+    main = mod["main"]
+    values: dict[relax.Var, relax.Expr] = {}
+    if isinstance(main.body, relax.SeqExpr):
+        for block in main.body.blocks:
+            for binding in block.bindings:
+                if isinstance(binding, relax.VarBinding):
+                    values[binding.var] = binding.value
+
+    def resolve(expr: relax.Expr) -> relax.Expr:
+        while isinstance(expr, relax.Var) and expr in values:
+            expr = values[expr]
+        return expr
+
+    def fresh(expr: relax.Expr) -> bool:
+        value = resolve(expr)
+        if not isinstance(value, relax.Call):
+            return False
+        if isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.reshape":
+            return fresh(value.args[0])
+        return isinstance(value.op, tvm.ir.Op) and value.op.name in ALLOCATIONS
+
+    def flatten(expr: relax.Expr) -> list[bool]:
+        value = resolve(expr)
+        if isinstance(value, relax.Tuple):
+            return [flag for field in value.fields for flag in flatten(field)]
+        return [fresh(value)]
+
+    return flatten(main.body.body if isinstance(main.body, relax.SeqExpr) else main.body)

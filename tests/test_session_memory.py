@@ -1,0 +1,64 @@
+"""Arrays cross into and out of a host session without copies, and never alias what they must not."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import tightfit
+
+
+def test_outputs_of_earlier_runs_keep_their_values(mlp_package):
+    session = mlp_package.session()
+    rng = np.random.default_rng(0)
+    first = session.run({"x": rng.standard_normal((3, 8)).astype(np.float32)})["y"]
+    kept = first.copy()
+    for batch in (3, 3, 5):
+        session.run({"x": rng.standard_normal((batch, 8)).astype(np.float32)})
+    np.testing.assert_array_equal(first, kept)
+
+
+@pytest.mark.parametrize("layout", ["aligned", "unaligned", "read-only", "strided"])
+def test_any_input_array_gives_the_same_outputs(mlp_package, layout):
+    session = mlp_package.session()
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    expected = session.run({"x": x.copy()})["y"]
+    if layout == "aligned":
+        buffer = np.empty(x.nbytes + 64, np.uint8)
+        start = -buffer.ctypes.data % 64
+        fed = buffer[start:start + x.nbytes].view(np.float32).reshape(x.shape)
+        fed[...] = x
+    elif layout == "unaligned":
+        fed = np.frombuffer(bytearray(b"\0" * 4) + bytearray(x.tobytes()), np.float32, offset=4).reshape(x.shape)
+    elif layout == "read-only":
+        fed = x.copy()
+        fed.flags.writeable = False
+    else:
+        fed = np.repeat(x, 2, axis=1)[:, ::2]
+    np.testing.assert_array_equal(session.run({"x": fed})["y"], expected)
+    np.testing.assert_array_equal(fed, x)  # the model never writes into its input
+
+
+def passthrough_model():
+    """y = x (an output that is the input itself) and c = reshape(weight) (one that is a weight)."""
+    weight = np.arange(6, dtype=np.float32)
+    nodes = [helper.make_node("Identity", ["x"], ["y"]),
+             helper.make_node("Reshape", ["weight", "shape"], ["c"])]
+    graph = helper.make_graph(
+        nodes, "passthrough",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4]),
+         helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(np.array([2, 3]), "shape")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_outputs_that_are_inputs_or_weights_are_copies(tmp_path):
+    tightfit.compile(passthrough_model()).save(tmp_path / "passthrough.tfpkg")
+    session = tightfit.load(tmp_path / "passthrough.tfpkg").session()  # weights mapped read-only
+    x = np.ones((2, 4), np.float32)
+    outputs = session.run({"x": x})
+    outputs["y"][...] = 7  # writing to an output changes neither the input nor the weights
+    outputs["c"][...] = 7
+    np.testing.assert_array_equal(x, np.ones((2, 4), np.float32))
+    again = session.run({"x": x})
+    np.testing.assert_array_equal(again["c"], np.arange(6, dtype=np.float32).reshape(2, 3))
