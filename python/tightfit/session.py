@@ -42,7 +42,8 @@ class Session:
         self._main = self._vm["main"]
         self._weights = [device_tensor(weight.value, self.device) for weight in package.weights]
         self._on_host = remote is None and _is_host(self.device)
-        self._handed_out = {name for name, fresh in zip(self.output_names, package.fresh_outputs) if fresh}
+        self._handed_out = {spec.name for spec, fresh in zip(package.outputs, package.fresh_outputs)
+                            if fresh and spec.dtype in NUMPY_DLPACK_DTYPES}
 
     @property
     def input_names(self) -> list[str]:
@@ -90,10 +91,10 @@ def device_tensor(array: np.ndarray, device: tvm.runtime.Device) -> tvm.runtime.
 
 def host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
     """A host TVM tensor for `array`: a view when TVM can take one, else an aligned copy."""
+    if array.size == 0 or array.dtype.name not in NUMPY_DLPACK_DTYPES:
+        return tvm.runtime.tensor(np.asarray(array, order="C"), tvm.cpu())
     if _viewable(array):
         return tvm.runtime.from_dlpack(array)
-    if array.size == 0:
-        return tvm.runtime.tensor(array, tvm.cpu())
     buffer = np.empty(array.nbytes + TVM_ALIGNMENT, np.uint8)
     start = -buffer.ctypes.data % TVM_ALIGNMENT
     aligned = buffer[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
@@ -102,11 +103,15 @@ def host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
 
 
 TVM_ALIGNMENT = 64  # what TVM requires of memory it views
+# element types numpy exchanges over DLPack (not bfloat16 or the float8 types, which TVM's own
+# conversion handles through ml_dtypes)
+NUMPY_DLPACK_DTYPES = frozenset({"bool", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                                 "uint8", "uint16", "uint32", "uint64", "complex64", "complex128"})
 
 
 def _viewable(array: np.ndarray) -> bool:
     return (array.flags.c_contiguous and array.flags.writeable and array.size > 0
-            and array.ctypes.data % TVM_ALIGNMENT == 0)
+            and array.ctypes.data % TVM_ALIGNMENT == 0 and array.dtype.name in NUMPY_DLPACK_DTYPES)
 
 
 def _is_host(device: tvm.runtime.Device) -> bool:
