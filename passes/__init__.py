@@ -1,6 +1,7 @@
 """tightfit's Relax passes, one a file; the order they run in is python/tightfit/pipeline.py."""
 
 from .classify_dynamism import ClassifyDynamism
+from .fold_batch_norm import FoldBatchNorm
 from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
 from .select_conv_algorithm import SelectConvAlgorithm
@@ -9,6 +10,7 @@ from .use_fast_math import UseFastMath
 
 __all__ = [
     "ClassifyDynamism",
+    "FoldBatchNorm",
     "PreTransformWeights",
     "RankDimensionPropagation",
     "SelectConvAlgorithm",

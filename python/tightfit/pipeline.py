@@ -20,6 +20,7 @@ from tvm import relax
 from .errors import CompilationError
 from .passes import (
     ClassifyDynamism,
+    FoldBatchNorm,
     PreTransformWeights,
     RankDimensionPropagation,
     SelectConvAlgorithm,
@@ -53,6 +54,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         # 1. normalize the imported graph (models with `If` import without dataflow blocks), then
         #    understand it: dynamism classes and Rank and Dimension Propagation (SoD2 §3, §4.1)
         tvm.transform.Sequential([relax.transform.ConvertToDataflow()], name="ConvertToDataflow"),
+        FoldBatchNorm(),
         relax.transform.DecomposeOpsForInference(),
         relax.transform.FoldConstant(),
         ClassifyDynamism(),
