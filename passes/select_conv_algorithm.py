@@ -4,10 +4,9 @@ MNN §3.1 (pre-inference: "計算策略選擇", the strategy is chosen per op fr
 model) and DESIGN.md step 6. For every `relax.nn.conv2d` (NCHW/OIHW, fp32, weights known at
 compile time) the candidates are
 - `direct`: implicit GEMM on register tiles (schedules/conv2d.py); workspace = the packed input;
-- `depthwise`: the per-channel kernel, the only candidate when groups == channels;
-- `winograd_f2`, `winograd_f4`: Winograd F(2x2, 3x3) / F(4x4, 3x3) for 3x3 stride-1 convs
-  (schedules/winograd.py); transformed weights are larger ((m+2)^2/9 times), the transformed
-  input and the GEMM result are workspace.
+- `depthwise`: the per-channel kernel, the only candidate when groups == channels.
+conv_cost.py also costs Winograd F(2x2, 3x3) / F(4x4, 3x3) for 3x3 stride-1 convs, but no
+Winograd kernel exists yet, so they are not offered (`winograd=False` below).
 Cost of a candidate = its multiply-adds / its measured multiply-add rate + the bytes its stages
 move / the memory bandwidth + the transforms' arithmetic, all in seconds (schedules/conv_cost.py);
 the rates come from the knob database where recorded, else from MNN-style defaults (conv_cost.py). The cheapest candidate that fits `max_workspace_bytes` wins (a memory budget

@@ -1,6 +1,6 @@
 """How the kernel-selection passes put a tightfit kernel into a Relax function.
 
-A kernel is a TE compute (schedules/gemm.py, conv2d.py, winograd.py) emitted as `call_tir`:
+A kernel is a TE compute (schedules/gemm.py, conv2d.py) emitted as `call_tir`:
 - its PrimFunc is marked `op_pattern` = OutEWiseFusable (4), so FuseOps fuses the elementwise
   ops after it (bias, BN, activation, residual add) into it. AnnotateTIROpPattern keeps a preset
   pattern; left to itself it calls a kernel whose write-back indexes by products of symbolic
@@ -37,7 +37,7 @@ def emit_kernel(builder: relax.BlockBuilder, compute: Callable, args: list, name
 
 def emit_weight_transform(builder: relax.BlockBuilder, compute: Callable, args: list,
                           name_hint: str, var_name: str, **kwargs) -> relax.Var:
-    """Emit a transform of weights (packing, Winograd); LiftTransformParams lifts it offline.
+    """Emit a transform of weights (packing); LiftTransformParams lifts it offline.
 
     `var_name` becomes the transformed weight's name in the package's weight file, so it must
     be unique in the function (WeightOnly.transformed_name).

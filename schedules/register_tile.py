@@ -1,6 +1,6 @@
 """The register-tile GEMM schedule that every compute-bound tightfit kernel shares.
 
-A kernel compute (schedules/gemm.py, schedules/conv2d.py, schedules/winograd.py) ends in a
+A kernel compute (schedules/gemm.py, schedules/conv2d.py) ends in a
 *tiles* block  T[*batch, row, col] = sum_r A(row, r) * B[col-panel, r, col-lane]  (B packed
 offline in panels of NB = vectors x lanes columns) and an *out* block that copies T into the
 model's layout; elementwise epilogues fused after it (bias, BN, ReLU, residual add) are inlined
