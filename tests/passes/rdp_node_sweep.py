@@ -72,12 +72,11 @@ def check_case(case, baseline_only: bool = False) -> tuple[str, str, int]:
     from predictions import Check
     from shape_probe import ShapeProbe
     from test_rdp_soundness import compare
-    from test_shape_probe import NORMALIZE_STEPS
+    from test_shape_probe import normalizing_passes
     from tightfit.conformance import as_array
     from tightfit.frontend import import_onnx
     from tightfit.passes.classify_dynamism import ClassifyDynamism
     from tightfit.passes.rdp import RankDimensionPropagation, analyze_module
-    from tightfit.pipeline import passes
     from tightfit.target import resolve_target
     import tvm
 
@@ -90,7 +89,7 @@ def check_case(case, baseline_only: bool = False) -> tuple[str, str, int]:
     def symbolic_module(tied: bool):
         mod = import_onnx(case.model, symbolic_shapes(case.model, data_sets[0][0], tied)).mod
         with target.tvm_target, tvm.transform.PassContext(opt_level=3):
-            for compiler_pass in passes(target)[:NORMALIZE_STEPS]:
+            for compiler_pass in normalizing_passes(target):
                 mod = compiler_pass(mod)
         mod = ClassifyDynamism()(mod)
         # In scope: it runs, and gives the expected outputs, with symbolic dims but without RDP.

@@ -12,17 +12,21 @@ import rdp_models
 from shape_probe import ShapeProbe, with_probes
 from tightfit.frontend import import_onnx
 from tightfit.passes.classify_dynamism import ClassifyDynamism
-from tightfit.pipeline import passes
+from tightfit.pipeline import pass_name, passes
 from tightfit.target import resolve_target
 
-NORMALIZE_STEPS = 3  # pipeline step 1: ConvertToDataflow, DecomposeOpsForInference, FoldConstant
+
+def normalizing_passes(target) -> list:
+    """The pipeline's passes before ClassifyDynamism (dataflow, folding, decomposition)."""
+    pipeline = passes(target)
+    return pipeline[:[pass_name(p) for p in pipeline].index("tightfit.ClassifyDynamism")]
 
 
 def normalized(model):
     mod = import_onnx(model).mod
     target = resolve_target("host")
     with target.tvm_target, tvm.transform.PassContext(opt_level=3):
-        for compiler_pass in passes(target)[:NORMALIZE_STEPS]:
+        for compiler_pass in normalizing_passes(target):
             mod = compiler_pass(mod)
     return ClassifyDynamism()(mod)
 
