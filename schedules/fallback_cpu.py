@@ -12,6 +12,9 @@ Every lowered PrimFunc that no specialized kernel (issue 5) claims gets this sch
 3. Serial and parallel versions. A function whose loop work may be below the parallel threshold
    (dispatch.parallel_buckets: waking the pool costs more than a small op's whole run) also
    gets a serial version, and an `if` on the work picks one at run time.
+4. Reduction inits before the reduction loops. TVM lowers a reduction's init inside its
+   reduction loops, guarded by "first iteration"; over an empty reduction (a sum over a zero
+   dim, a count of no elements) it never runs and the output is whatever memory held.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def schedule_prim_func(func: tirx.PrimFunc,
         schedule = s_tir.Schedule(inlined)
         if parallel:
             parallelize_outer_loops(schedule)
+        initialize_before_reduction_loops(schedule)
         versions.append((condition, schedule.mod["main"]))
     return join_versions(versions).with_attr("tirx.is_scheduled", True)
 
@@ -77,6 +81,20 @@ def parallelize_outer_loops(schedule: s_tir.Schedule, skip: frozenset[str] = fro
         if isinstance(extent, tirx.IntImm) and extent.value < MIN_PARALLEL_EXTENT:
             continue
         schedule.parallel(fused)
+
+
+def initialize_before_reduction_loops(schedule: s_tir.Schedule) -> None:
+    """Give every top-level reduction block its init as a block of its own, before the
+    outermost reduction loop, so that it runs even when the reduction is empty."""
+    root = schedule.get_sblock("root")
+    for block in schedule.get_child_blocks(root):
+        if schedule.get(block).init is None:
+            continue
+        reduction_vars = _reduction_loop_vars(schedule, block)
+        loops = [loop for loop in schedule.get_loops(block)
+                 if any(schedule.get(loop).loop_var.same_as(var) for var in reduction_vars)]
+        if loops:
+            schedule.decompose_reduction(block, loops[0])
 
 
 def _inline_injective_blocks(schedule: s_tir.Schedule) -> None:
@@ -118,11 +136,7 @@ def _leading_spatial_loop_count(schedule: s_tir.Schedule, block, loops) -> int:
     variable, and it wraps a single statement (fusing past a loop that holds several nests would
     interleave them). The first loop with several children may still be fused as the last one.
     """
-    realize = _get_sblock_realize(schedule, block)
-    reduction_vars = set()
-    for iter_var, binding in zip(realize.block.iter_vars, realize.iter_values):
-        if iter_var.iter_type != tirx.IterVar.DataPar:
-            reduction_vars.update(tirx.analysis.undefined_vars(binding))
+    reduction_vars = _reduction_loop_vars(schedule, block)
     count = 0
     for loop in loops:
         loop_stmt = schedule.get(loop)
@@ -134,6 +148,16 @@ def _leading_spatial_loop_count(schedule: s_tir.Schedule, block, loops) -> int:
         if isinstance(loop_stmt.body, tirx.SeqStmt):
             break
     return count
+
+
+def _reduction_loop_vars(schedule: s_tir.Schedule, block) -> set:
+    """The loop variables that `block`'s reduction iterators are bound to."""
+    realize = _get_sblock_realize(schedule, block)
+    reduction_vars = set()
+    for iter_var, binding in zip(realize.block.iter_vars, realize.iter_values):
+        if iter_var.iter_type != tirx.IterVar.DataPar:
+            reduction_vars.update(tirx.analysis.undefined_vars(binding))
+    return reduction_vars
 
 
 _get_sblock_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
