@@ -2,6 +2,7 @@
 
 from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
+from .lower_nonzero import LowerNonZero
 from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
 from .select_conv_algorithm import SelectConvAlgorithm
@@ -11,6 +12,7 @@ from .use_fast_math import UseFastMath
 __all__ = [
     "ClassifyDynamism",
     "FoldBatchNorm",
+    "LowerNonZero",
     "PreTransformWeights",
     "RankDimensionPropagation",
     "SelectConvAlgorithm",

@@ -21,6 +21,7 @@ from .errors import CompilationError
 from .passes import (
     ClassifyDynamism,
     FoldBatchNorm,
+    LowerNonZero,
     PreTransformWeights,
     RankDimensionPropagation,
     SelectConvAlgorithm,
@@ -65,7 +66,9 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
           if options.fast_kernels else []),
         *([UseFastMath()] if options.fast_math else []),
         PreTransformWeights(),
-        # 3. lower to TIR and fuse (sorts, scans and sampling to their library kernels first)
+        # 3. lower to TIR and fuse (NonZero to compiled kernels, and sorts, scans and sampling to
+        #    their library kernels first)
+        LowerNonZero(),
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
         relax.transform.LegalizeOps(),
