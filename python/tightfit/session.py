@@ -43,7 +43,7 @@ class Session:
         self._weights = [device_tensor(weight.value, self.device) for weight in package.weights]
         self._on_host = remote is None and _is_host(self.device)
         self._handed_out = {spec.name for spec, fresh in zip(package.outputs, package.fresh_outputs)
-                            if fresh and spec.dtype in NUMPY_DLPACK_DTYPES}
+                            if fresh and _numpy_exchanges(spec.dtype)}
 
     @property
     def input_names(self) -> list[str]:
@@ -91,7 +91,7 @@ def device_tensor(array: np.ndarray, device: tvm.runtime.Device) -> tvm.runtime.
 
 def host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
     """A host TVM tensor for `array`: a view when TVM can take one, else an aligned copy."""
-    if array.size == 0 or array.dtype.name not in NUMPY_DLPACK_DTYPES:
+    if array.size == 0 or array.dtype not in NUMPY_DLPACK_DTYPES:
         return tvm.runtime.tensor(np.asarray(array, order="C"), tvm.cpu())
     if _viewable(array):
         return tvm.runtime.from_dlpack(array)
@@ -105,13 +105,21 @@ def host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
 TVM_ALIGNMENT = 64  # what TVM requires of memory it views
 # element types numpy exchanges over DLPack (not bfloat16 or the float8 types, which TVM's own
 # conversion handles through ml_dtypes)
-NUMPY_DLPACK_DTYPES = frozenset({"bool", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
-                                 "uint8", "uint16", "uint32", "uint64", "complex64", "complex128"})
+NUMPY_DLPACK_DTYPES = frozenset(np.dtype(name) for name in (
+    "bool", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+    "uint32", "uint64", "complex64", "complex128"))
 
 
 def _viewable(array: np.ndarray) -> bool:
     return (array.flags.c_contiguous and array.flags.writeable and array.size > 0
-            and array.ctypes.data % TVM_ALIGNMENT == 0 and array.dtype.name in NUMPY_DLPACK_DTYPES)
+            and array.dtype in NUMPY_DLPACK_DTYPES and array.ctypes.data % TVM_ALIGNMENT == 0)
+
+
+def _numpy_exchanges(dtype_name: str) -> bool:
+    try:
+        return np.dtype(dtype_name) in NUMPY_DLPACK_DTYPES
+    except TypeError:  # a type numpy does not know (bfloat16 without ml_dtypes)
+        return False
 
 
 def _is_host(device: tvm.runtime.Device) -> bool:
