@@ -89,6 +89,7 @@ def benchmark_model(
         timing = ShapeTiming({k: list(v) for k, v in shapes.items()})
         outputs = {}
         for engine, run in list(runners.items()):
+            time.sleep(PAUSE_BETWEEN_ENGINES_S)
             try:
                 started = time.perf_counter()
                 outputs[engine] = run(feeds)
