@@ -60,6 +60,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run_cmd.add_argument("--reference", metavar="ONNX", help="ONNX file for --check when running a .tfpkg")
     run_cmd.add_argument("--tolerance", type=float, default=1e-4, help="max abs error --check accepts (default 1e-4)")
     run_cmd.add_argument("--save-outputs", metavar="NPZ", help="write the outputs to a .npz file")
+    run_cmd.add_argument("--profile", action="store_true",
+                         help="time each kernel on this run's arguments and show where the time goes")
     _add_rpc_options(run_cmd)
     run_cmd.set_defaults(handler=_run)
 
@@ -208,7 +210,8 @@ def _run(args) -> int:
         feeds = load_npz(args.inputs)
     else:
         feeds = random_feeds(package.inputs, concrete_shapes(package.inputs, _shape_options(args)))
-    outputs = _session_for(args, package).run(feeds)
+    session = _session_for(args, package)
+    outputs = session.run(feeds)
     if args.save_outputs:
         np.savez(args.save_outputs, **outputs)
     summary = {"outputs": {name: {"shape": list(value.shape), "dtype": str(value.dtype)}
@@ -224,6 +227,10 @@ def _run(args) -> int:
         lines.append(f"check against onnxruntime: max abs error {error:.3g} "
                      f"({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g})")
         status = 0 if ok else 1
+    if args.profile:
+        profile = session.profile(feeds)
+        summary["profile"] = profile.as_json()
+        lines.append(profile.table())
     _emit(args, summary, "\n".join(lines))
     return status
 

@@ -38,9 +38,10 @@ class Session:
         self.package = package
         self.device = device or tvm.cpu()
         self.remote = remote  # the RPC session, kept open as long as this session lives
+        self.executable = executable
         self._vm = relax.VirtualMachine(executable, self.device)
         self._main = self._vm["main"]
-        self._weights = [device_tensor(weight.value, self.device) for weight in package.weights]
+        self.weights = [device_tensor(weight.value, self.device) for weight in package.weights]
         self._on_host = remote is None and _is_host(self.device)
         self._handed_out = {spec.name for spec, fresh in zip(package.outputs, package.fresh_outputs)
                             if fresh and _numpy_exchanges(spec.dtype)}
@@ -56,7 +57,7 @@ class Session:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the model; returns the outputs by ONNX output name, in the graph's order."""
         arguments = self.prepare_inputs(feeds)
-        values = _flatten(self._main(*arguments, *self._weights))
+        values = _flatten(self._main(*arguments, *self.weights))
         if not self._on_host:
             return {name: value.numpy() for name, value in zip(self.output_names, values)}
         return {name: np.from_dlpack(value) if name in self._handed_out else value.numpy()
@@ -70,11 +71,17 @@ class Session:
         return [tvm.runtime.tensor(np.asarray(feeds[name], order="C"), self.device)
                 for name in self.input_names]
 
+    def profile(self, feeds: dict[str, np.ndarray]):
+        """Each kernel's time in a run on `feeds`, and the whole run's (profiling.py)."""
+        from .profiling import profile_kernels
+
+        return profile_kernels(self, feeds)
+
     def time_run(self, feeds: dict[str, np.ndarray], number: int = 1, repeat: int = 20,
                  min_repeat_ms: int = 0) -> list[float]:
         """Seconds per run for `repeat` measurements, timed inside the VM (no Python overhead)."""
         arguments = self.prepare_inputs(feeds)
-        self._vm.set_input("main", *arguments, *self._weights)
+        self._vm.set_input("main", *arguments, *self.weights)
         self._vm.invoke_stateful("main")  # warm-up: first-touch of memory and code pages
         timer = self._vm.time_evaluator("invoke_stateful", self.device, number=number,
                                         repeat=repeat, min_repeat_ms=min_repeat_ms)
