@@ -157,15 +157,24 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
 
 def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_row_axis: int,
                        vector_width: int, version: str, parallel: bool = True) -> list[tuple]:
-    """Depthwise tiles: one vector of output columns per tile, the filter taps unrolled;
-    (batch, channel, output row) fused and, when `parallel`, run on the thread pool. The tile
-    buffer stays "global", a stack array in registers (isa.py)."""
+    """Depthwise tiles: one vector of output columns per tile, the filter taps unrolled.
+
+    The loop over (batch, channel) is fused and, when `parallel`, run on the thread pool; the
+    packing stage moves under it, so each channel is padded just before its rows are convolved,
+    while it sits in L1. Fusing the output rows into the parallel loop as well would cost three
+    divisions by symbolic extents per row to recover the indices, more than a row's 2-3 tiles
+    (measured 2x slower on MobileNet's 64 x 48 x 40 layers). The tile buffer stays "global", a
+    stack array in registers (isa.py).
+    """
     n, c, oh, ow, ry, rx = sch.get_loops(tiles)
+    packing = _packing_stage(sch, tiles)
     if version == ROW_TILES:
         ow_outer, ow_lane = sch.split(ow, [None, vector_width])
         sch.reorder(n, c, oh, ow_outer, ry, rx, ow_lane)
         sch.reverse_compute_at(out_block, ow_outer)
-        _fuse_rows(sch, [n, c, oh], parallel)
+        channel = _fuse_channels(sch, [n, c], parallel)
+        sch.compute_at(packing, channel)
+        _copy_filter_per_channel(sch, tiles, channel)
         sch.unroll(ry)
         sch.unroll(rx)
         sch.vectorize(ow_lane)
@@ -176,14 +185,36 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
         return [("shift", row_iters, vector_width, row_extent)]
     sch.reorder(n, c, oh, ow, ry, rx)
     sch.reverse_compute_at(out_block, ow)
-    _fuse_rows(sch, [n, c, oh], parallel)
+    channel = _fuse_channels(sch, [n, c], parallel)
+    sch.compute_at(packing, channel)
+    _copy_filter_per_channel(sch, tiles, channel)
     sch.unroll(ry)
     sch.unroll(rx)
     sch.decompose_reduction(tiles, ry)
     return [("restrict", sch.get(ow).loop_var, row_extent)]
 
 
-def _fuse_rows(sch: s_tir.Schedule, loops: list, parallel: bool) -> None:
+def _copy_filter_per_channel(sch: s_tir.Schedule, tiles, channel) -> None:
+    """Copy the channel's filter taps to a stack array under the channel loop: LLVM then
+    proves they do not alias the output and keeps them in vector registers across the rows
+    (read from the weight tensor, they were re-broadcast from memory at every tile;
+    measured 1.25-1.4x faster)."""
+    packed = {sch.get(block).writes[0].source.name for block in sch.get_producers(tiles)}
+    own = sch.get(tiles).writes[0].source.name
+    weight_index = next(index for index, region in enumerate(sch.get(tiles).reads)
+                        if region.source.name not in packed | {own})
+    sch.compute_at(sch.cache_read(tiles, weight_index, "global"), channel)
+
+
+def _packing_stage(sch: s_tir.Schedule, tiles):
+    producers = [block for block in sch.get_producers(tiles)
+                 if STAGE_ANNOTATION in sch.get(block).annotations]
+    assert len(producers) == 1, "a depthwise kernel has one packing stage"
+    return producers[0]
+
+
+def _fuse_channels(sch: s_tir.Schedule, loops: list, parallel: bool):
     fused = sch.fuse(*loops)
     if parallel:
         sch.parallel(fused)
+    return fused
