@@ -24,17 +24,25 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, te, tirx
 
+from .isa import VectorISA
 from .register_tile import (
     KERNEL_ANNOTATION,
+    MAX_ROWS,
     OUTPUT_ROW_AXIS_ANNOTATION,
     ROW_TILES,
     ROWS_ANNOTATION,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
+    TileKnobs,
+    tile_cost,
 )
 
 DIRECT = "conv2d_direct"
+WIDTH_VECTORS = "conv2d_width_vectors"
 DEPTHWISE = "conv2d_depthwise"
+# Output channels of a width-vectors tile (its register rows), beside ROWS_ANNOTATION's
+# columns per tile, which is the extent a version needs (dispatch.py).
+CHANNEL_ROWS_ANNOTATION = "tightfit.channel_rows"
 
 
 def output_extent(size, pad_before: int, pad_after: int, kernel: int, stride: int, dilation: int):
@@ -112,15 +120,137 @@ def is_pointwise(kernel_h: int, kernel_w: int, strides, padding) -> bool:
     return (kernel_h, kernel_w) == (1, 1) and tuple(strides) == (1, 1) and not any(padding)
 
 
+def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, strides,
+                         padding, dilation, vectors: int, lanes: int) -> te.Tensor:
+    """NCHW conv as register tiles over (output channels; output columns), NCHW throughout.
+
+    A tile holds `channel_rows` output channels (the weight panel width) x `vectors` vectors of
+    consecutive output columns of one output row: per reduction step it broadcasts
+    `channel_rows` weights and loads `vectors` input vectors. The accumulators are rows of the
+    NCHW output, so the write-back is plain vector stores (no transpose, unlike conv2d_direct),
+    and a 1x1 stride-1 conv reads its input as it is; any other conv reads the padded, phased
+    input of `pack_input_phases`. Tiles along the width are shifted back at the end
+    (tail_tiles.py), so the width domain is max(OW, vectors x lanes).
+    """
+    batch, channels, height, width = data.shape
+    panels, kernel_h, kernel_w, _, channel_rows = (int(d) for d in packed_weight.shape)
+    (stride_h, stride_w), (dil_h, dil_w) = strides, dilation
+    top, left, bottom, right = padding
+    out_h = output_extent(height, top, bottom, kernel_h, stride_h, dil_h)
+    out_w = output_extent(width, left, right, kernel_w, stride_w, dil_w)
+    tile_columns = vectors * lanes
+    tile_w = tirx.max(out_w, tile_columns)
+    ry = te.reduce_axis((0, kernel_h), "ry")
+    rx = te.reduce_axis((0, kernel_w), "rx")
+    rc = te.reduce_axis((0, channels), "rc")
+    if is_pointwise(kernel_h, kernel_w, strides, padding):
+        def input_pixel(n, c, oh, ow):
+            return data[n, c, oh, ow]
+    else:
+        packed_input = pack_input_phases(data, tile_w, kernel_w, strides, padding, dilation,
+                                         "conv2d_input_phases")
+
+        def input_pixel(n, c, oh, ow):
+            tap = rx * dil_w
+            return packed_input[n, c, oh * stride_h + ry * dil_h, tap % stride_w,
+                                ow + tap // stride_w]
+
+    def tile_value(n, o, oh, ow):
+        weight = packed_weight[o // channel_rows, ry, rx, rc, o % channel_rows]
+        return te.sum(input_pixel(n, rc, oh, ow) * weight, axis=[ry, rx, rc])
+
+    tiles = te.compute((batch, panels * channel_rows, out_h, tile_w), tile_value,
+                       name="conv2d_width_tiles",
+                       attrs={KERNEL_ANNOTATION: WIDTH_VECTORS, ROWS_ANNOTATION: tile_columns,
+                              VECTORS_ANNOTATION: vectors, CHANNEL_ROWS_ANNOTATION: channel_rows,
+                              OUTPUT_ROW_AXIS_ANNOTATION: 3})
+    return te.compute((batch, out_channels, out_h, out_w),
+                      lambda n, o, h, w: tiles[n, o, h, w], name="conv2d_width_out")
+
+
+def width_tile_knobs(isa: VectorISA, out_channels: int) -> TileKnobs:
+    """Channel rows x one vector of columns for a conv2d_width_vectors tile.
+
+    One vector: the shifted tail of two-vector tiles recomputes up to a vector per row (a
+    40-wide output in 32-column tiles computes 64 columns), and widths of one vector up run
+    the tiled version. Measured on the zoo's layers (AVX-512, 2 threads), one vector beat two
+    by 1.2-1.5x. The channel rows are the count, among those whose tile fits the registers
+    (isa.fits_registers), with the least `tile_cost` over all output channels, padding
+    included: 16 channels in two 8-row tiles rather than 15 + 1.
+    """
+    vectors = 1
+    fitting = [r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)]
+    channel_rows = min(fitting, key=lambda r: (-(-out_channels // r) * tile_cost(r, vectors), -r))
+    return TileKnobs(rows=channel_rows, vectors=vectors)
+
+
+def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, out_row_axis: int,
+                           channel_rows: int, vectors: int, isa: VectorISA, version: str,
+                           parallel: bool = True) -> list[tuple]:
+    """The conv2d_width_vectors micro-kernel:
+
+        parallel for (batch, channel panel, output row):   # a row's indices: 3 divisions
+          for column tile:                                 # vectors x lanes columns
+            acc[channel_rows][vectors] = 0
+            for ry, rx, c: acc[i][v] += W[panel, ry, rx, c, i] * input[c, row + ry, col + v + rx]
+            output[panel rows, row, tile columns] = epilogue(acc)
+
+    The SINGLE_ROW version (output narrower than a tile) runs one column at a time, the
+    channel rows unrolled, and its column loop cut to the width.
+    """
+    n, o, oh, ow, *reductions = sch.get_loops(tiles)
+    o_outer, o_inner = sch.split(o, [None, channel_rows])
+    if version == ROW_TILES:
+        ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
+        sch.reorder(n, o_outer, oh, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
+        sch.reverse_compute_at(out_block, ow_outer)
+        _fuse_channels(sch, [n, o_outer, oh], parallel)
+        sch.unroll(o_inner)
+        sch.unroll(ow_vector)
+        sch.vectorize(ow_lane)
+        init = sch.decompose_reduction(tiles, reductions[0])
+        *_, write_columns = sch.get_loops(out_block)
+        _, write_lane = sch.split(write_columns, [None, isa.lanes])
+        sch.vectorize(write_lane)
+        row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3,
+                     sch.get(out_block).name_hint: out_row_axis}
+        return [("shift", row_iters, vectors * isa.lanes, row_extent)]
+    sch.reorder(n, o_outer, oh, ow, *reductions, o_inner)
+    sch.reverse_compute_at(out_block, ow)
+    _fuse_channels(sch, [n, o_outer, oh], parallel)
+    sch.unroll(o_inner)
+    sch.decompose_reduction(tiles, reductions[0])
+    return [("restrict", sch.get(ow).loop_var, row_extent)]
+
+
+def pack_input_phases(data: te.Tensor, tile_w, kernel_w: int, strides, padding, dilation,
+                      name: str) -> te.Tensor:
+    """Zero-padded NCHW input with each padded row split into `stride_w` phases:
+    [N, C, padded H, stride_w, phase_w]; phase p, column j is padded column j * stride_w + p,
+    so output column ow, tap kw reads phase (kw * dil_w) % stride_w at column
+    ow + (kw * dil_w) // stride_w, consecutive in ow for any stride. `tile_w` is the width
+    domain the tiles cover (at least the output width)."""
+    batch, channels, height, width = data.shape
+    stride_w, dil_w = strides[1], dilation[1]
+    top, left, bottom, right = padding
+    phase_w = tile_w + ((kernel_w - 1) * dil_w) // stride_w
+
+    def pad_value(n, c, h, phase, j):
+        w = j * stride_w + phase
+        inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
+        return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
+
+    return te.compute((batch, channels, height + top + bottom, stride_w, phase_w), pad_value,
+                      name=name, attrs={STAGE_ANNOTATION: "packed_input"})
+
+
 def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
                      vector_width: int) -> te.Tensor:
     """Depthwise NCHW conv (weight [C, 1, KH, KW]; channel multiplier 1) with width vectors.
 
-    The packing stage holds, per channel and padded row, `stride_w` phases of the row; phase p,
-    column j is padded column j * stride_w + p, so output column ow, tap kw reads phase
-    (kw * dil_w) % stride_w at column ow + (kw * dil_w) // stride_w: consecutive in ow. Tiles
-    of `vector_width` columns cover the width with the last one shifted back (tail_tiles.py),
-    so the width domain is max(out_w, vector_width).
+    The packing stage pads each channel and splits its rows into phases (`pack_input_phases`),
+    so every vector load is contiguous. Tiles of `vector_width` columns cover the width with
+    the last one shifted back (tail_tiles.py), so the width domain is max(out_w, vector_width).
     """
     batch, channels, height, width = data.shape
     _, _, kernel_h, kernel_w = (int(d) for d in weight.shape)
@@ -129,17 +259,8 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
     out_h = output_extent(height, top, bottom, kernel_h, stride_h, dil_h)
     out_w = output_extent(width, left, right, kernel_w, stride_w, dil_w)
     tile_w = tirx.max(out_w, vector_width)
-    phase_w = tile_w + ((kernel_w - 1) * dil_w) // stride_w
-    packed_h = height + top + bottom
-
-    def pad_value(n, c, h, phase, j):
-        w = j * stride_w + phase
-        inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
-        return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
-
-    packed_input = te.compute((batch, channels, packed_h, stride_w, phase_w), pad_value,
-                              name="depthwise_input_phases",
-                              attrs={STAGE_ANNOTATION: "packed_input"})
+    packed_input = pack_input_phases(data, tile_w, kernel_w, strides, padding, dilation,
+                                     "depthwise_input_phases")
     ry = te.reduce_axis((0, kernel_h), "ry")
     rx = te.reduce_axis((0, kernel_w), "rx")
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, tirx
 
+from .conv2d import width_tile_knobs
 from .isa import VectorISA
 
 BYTES_PER_FLOAT = 4
@@ -104,7 +105,7 @@ def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates,
                     winograd: bool = True) -> list[Candidate]:
     if shape.is_depthwise:
         return [_depthwise(shape, rates)]
-    candidates = [_direct(shape, isa, rates)]
+    candidates = [_direct(shape, isa, rates), _width_vectors(shape, isa, rates)]
     if winograd and is_winograd_eligible(shape):
         candidates += [_winograd(shape, isa, rates, name) for name in WINOGRAD_TILES]
     return candidates
@@ -134,10 +135,32 @@ def _direct(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
     macs = shape.batch * out_h * out_w * _padded(shape.out_channels, isa) * shape.channels * kh * kw
     top, left, bottom, right = shape.padding
     packed_input = shape.batch * shape.channels * (shape.height + top + bottom) * (shape.width + left + right)
-    moved = 2 * packed_input * BYTES_PER_FLOAT
+    # the tiles are pixels x channels, written back to NCHW through a transpose in registers:
+    # costed as one more pass over the output
+    output = shape.batch * shape.out_channels * out_h * out_w
+    moved = (2 * packed_input + 2 * output) * BYTES_PER_FLOAT
     seconds = macs / rates.macs_per_second + moved / rates.bytes_per_second
     weights = _padded(shape.out_channels, isa) * shape.channels * kh * kw * BYTES_PER_FLOAT
     return Candidate("direct", seconds, macs, packed_input * BYTES_PER_FLOAT, weights)
+
+
+def _width_vectors(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
+    """Tiles of output channels x a vector of output columns (conv2d.conv2d_width_vectors):
+    the width is covered in whole vectors (the shifted tail recomputes the rest); narrower than
+    a vector, the kernel runs column by column, one lane of the vector unit."""
+    out_h, out_w = shape.out_hw
+    kh, kw = shape.kernel
+    columns = -(-out_w // isa.lanes) * isa.lanes if out_w >= isa.lanes else out_w * isa.lanes
+    channel_rows = width_tile_knobs(isa, shape.out_channels).rows
+    out_channels = -(-shape.out_channels // channel_rows) * channel_rows
+    macs = shape.batch * out_h * columns * out_channels * shape.channels * kh * kw
+    top, left, bottom, right = shape.padding
+    pointwise = shape.kernel == (1, 1) and shape.strides == (1, 1) and not any(shape.padding)
+    packed_input = 0 if pointwise else (shape.batch * shape.channels * (shape.height + top + bottom)
+                                        * (shape.width + left + right))
+    seconds = macs / rates.macs_per_second + 2 * packed_input * BYTES_PER_FLOAT / rates.bytes_per_second
+    weights = out_channels * shape.channels * kh * kw * BYTES_PER_FLOAT
+    return Candidate("width_vectors", seconds, macs, packed_input * BYTES_PER_FLOAT, weights)
 
 
 def _depthwise(shape: ConvShape, rates: Rates) -> Candidate:

@@ -88,6 +88,11 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
                               int(annotations.get("tightfit.reduction_unroll", 1)))
             rewrites = schedule_register_tiles(sch, tiles, out_block, row_extent, out_row_axis,
                                                knobs, isa, version, parallel)
+        elif kind == conv2d.WIDTH_VECTORS:
+            rewrites = conv2d.schedule_width_vectors(
+                sch, tiles, out_block, row_extent, out_row_axis,
+                int(annotations[conv2d.CHANNEL_ROWS_ANNOTATION]),
+                int(annotations[VECTORS_ANNOTATION]), isa, version, parallel)
         elif kind == conv2d.DEPTHWISE:
             rewrites = conv2d.schedule_depthwise(sch, tiles, out_block, row_extent, out_row_axis,
                                                  rows, version, parallel)

@@ -47,6 +47,8 @@ class PipelineOptions:
     # a MetaSchedule database (`tightfit tune --db DIR`): its best records schedule the kernels
     # they were tuned for, ahead of tightfit's own schedules
     tuning_database: str | None = None
+    # the conv algorithms SelectConvAlgorithm may choose from (None: all; to compare kernels)
+    conv_algorithms: tuple[str, ...] | None = None
 
 
 def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) -> list[tvm.transform.Pass]:
@@ -62,7 +64,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         RankDimensionPropagation(),
         # 2. kernels and weights: each conv's algorithm and each GEMM's packing chosen by cost
         #    (MNN pre-inference), then every weight transform computed once, offline (FlexNN)
-        *([SelectConvAlgorithm(options.knob_database), SelectGemmKernel(options.knob_database)]
+        *([SelectConvAlgorithm(options.knob_database, algorithms=options.conv_algorithms),
+           SelectGemmKernel(options.knob_database)]
           if options.fast_kernels else []),
         *([UseFastMath()] if options.fast_math else []),
         PreTransformWeights(),

@@ -63,6 +63,6 @@ def kernel_blocks(mod: tvm.IRModule) -> list[str]:
     for func in mod.functions.values():
         if isinstance(func, tirx.PrimFunc) and "tightfit.kernel" in func.script():
             text = func.script()
-            kinds += [k for k in ("conv2d_direct", "conv2d_depthwise", "dense_packed",
+            kinds += [k for k in ("conv2d_direct", "conv2d_width_vectors", "conv2d_depthwise", "dense_packed",
                                   "matmul_packed_rhs", "winograd") if f'"{k}' in text]
     return kinds

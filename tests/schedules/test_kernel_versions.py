@@ -56,16 +56,17 @@ def batched_matmul_model(columns: int) -> onnx.ModelProto:
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "m", columns])], [])
 
 
-def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3) -> onnx.ModelProto:
+def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3,
+               stride: int = 1) -> onnx.ModelProto:
     """kernel x kernel conv, same padding, over image[1, channels, 5, w], bias and ReLU fused; w
     is the row extent. kernel 1 is the pointwise case, which reads the input unpacked."""
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[kernel, kernel],
-                              pads=[kernel // 2] * 4, group=groups),
+                              pads=[kernel // 2] * 4, group=groups, strides=[stride, stride]),
              helper.make_node("Relu", ["c"], ["y"])]
     return _model("conv", nodes,
                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 5, "w"])],
-                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, 5, "w"])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, None, None])],
                   [_weight(rng, "w", (out_channels, channels // groups, kernel, kernel)),
                    _weight(rng, "b", (out_channels,))])
 
@@ -102,8 +103,9 @@ def host_rows(columns: int, panel_width: int | None = None) -> int:
     return default_tile_knobs(isa, columns, tvm.tirx.Var("m", "int64"), panel_width).rows
 
 
-def assert_matches_onnxruntime(model, kernel, knob_database, feeds_at, extents):
-    options = PipelineOptions(knob_database=knob_database)
+def assert_matches_onnxruntime(model, kernel, knob_database, feeds_at, extents,
+                               conv_algorithms=None):
+    options = PipelineOptions(knob_database=knob_database, conv_algorithms=conv_algorithms)
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
                                 stop_after="tightfit.FallbackCPUSchedule")
     assert kernel in kernel_blocks(scheduled), f"{model.graph.name} does not use {kernel}"
@@ -138,14 +140,27 @@ def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_datab
     assert_matches_onnxruntime(conv_model(4, 24, groups=1, kernel=kernel), "conv2d_direct",
                                knob_database,
                                lambda w: {"x": _normal(1, 4, 5, w)},
-                               row_edges(host_rows(24, CONV_PANEL_WIDTH)))
+                               row_edges(host_rows(24, CONV_PANEL_WIDTH)),
+                               conv_algorithms=("direct",))
 
 
-def test_conv1d_runs_as_the_direct_conv_kernel_at_width_bucket_edges(knob_database):
-    rows = host_rows(20, CONV_PANEL_WIDTH)
-    assert_matches_onnxruntime(conv1d_model(6, 20, stride=2), "conv2d_direct", knob_database,
+@pytest.mark.parametrize("kernel, stride", [(3, 1), (1, 1), (3, 2), (1, 2)])
+def test_width_vectors_conv_versions_match_onnxruntime_at_vector_edges(knob_database, kernel,
+                                                                       stride):
+    """Output widths at the vector edges; 17 output channels are not a whole number of
+    channel-row tiles, so the last tile's padded channels are computed and not written."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    widths = sorted({(stride * (edge - 1) + 1) for edge in row_edges(lanes)} | {stride * lanes})
+    assert_matches_onnxruntime(conv_model(4, 17, groups=1, kernel=kernel, stride=stride),
+                               "conv2d_width_vectors", knob_database,
+                               lambda w: {"x": _normal(1, 4, 5, w)}, widths)
+
+
+def test_conv1d_runs_as_a_conv2d_kernel_at_width_bucket_edges(knob_database):
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    assert_matches_onnxruntime(conv1d_model(6, 20, stride=2), "conv2d_width_vectors", knob_database,
                                lambda w: {"x": _normal(1, 6, w)},
-                               sorted({2 * edge for edge in row_edges(rows)} | {2 * rows - 1}))
+                               sorted({2 * edge for edge in row_edges(lanes)} | {2 * lanes - 1}))
 
 
 def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database):
@@ -156,7 +171,7 @@ def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database
 
 @pytest.mark.parametrize("model, kernel", [(dense_model(40), "dense_packed"),
                                            (batched_matmul_model(20), "matmul_packed_rhs"),
-                                           (conv_model(4, 24, groups=1), "conv2d_direct"),
+                                           (conv_model(4, 24, groups=1), "conv2d_width_vectors"),
                                            (conv_model(6, 6, groups=6), "conv2d_depthwise")],
                          ids=["dense", "batched_matmul", "conv", "depthwise"])
 def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
