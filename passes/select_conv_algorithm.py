@@ -6,9 +6,9 @@ compile time) the candidates are
 - `direct`: implicit GEMM on register tiles of pixels x output channels (schedules/conv2d.py),
   written back to NCHW through a transpose; workspace = the packed (channels-last) input;
 - `width_vectors`: register tiles of output channels x a vector of output columns, NCHW
-  throughout; workspace = the padded input (none for a pointwise conv). It wins wherever the
-  output is at least a vector wide (measured 1.05-2.6x faster than `direct` on the zoo's
-  layers); narrower outputs (7x7 maps) keep `direct`;
+  throughout; workspace = the padded input (none for a pointwise conv). Measured 1.05-2.6x
+  faster than `direct` on the zoo's layers, and 1.6-1.8x on 7x7 and 10-wide maps although it
+  computes a whole vector of columns there (conv_cost.KERNEL_EFFICIENCY);
 - `depthwise`: the per-channel kernel, the only candidate when groups == channels.
 conv_cost.py also costs Winograd F(2x2, 3x3) / F(4x4, 3x3) for 3x3 stride-1 convs, but no
 Winograd kernel exists yet, so they are not offered (`winograd=False` below).

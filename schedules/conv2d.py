@@ -195,12 +195,18 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
             for ry, rx, c: acc[i][v] += W[panel, ry, rx, c, i] * input[c, row + ry, col + v + rx]
             output[panel rows, row, tile columns] = epilogue(acc)
 
-    The SINGLE_ROW version (output narrower than a tile) runs one column at a time, the
-    channel rows unrolled, and its column loop cut to the width.
+    Narrower outputs (the SINGLE_ROW version): a conv that reads the padded input computes one
+    full tile per row from column 0 (the padded input is a tile wide, so the extra columns read
+    zeros and are not written: the write-back keeps the split's bounds check, scalar);
+    a pointwise conv, which reads the input as it is and so must not read past the row, runs
+    one column at a time with the channel rows as a vector (the weight panel is contiguous
+    along them).
     """
     n, o, oh, ow, *reductions = sch.get_loops(tiles)
     o_outer, o_inner = sch.split(o, [None, channel_rows])
-    if version == ROW_TILES:
+    reads_padded_input = any(STAGE_ANNOTATION in sch.get(block).annotations
+                             for block in sch.get_producers(tiles))
+    if version == ROW_TILES or reads_padded_input:
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
         sch.reorder(n, o_outer, oh, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
         sch.reverse_compute_at(out_block, ow_outer)
@@ -209,16 +215,17 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         sch.unroll(ow_vector)
         sch.vectorize(ow_lane)
         init = sch.decompose_reduction(tiles, reductions[0])
-        *_, write_columns = sch.get_loops(out_block)
-        _, write_lane = sch.split(write_columns, [None, isa.lanes])
-        sch.vectorize(write_lane)
-        row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3,
-                     sch.get(out_block).name_hint: out_row_axis}
+        row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3}
+        if version == ROW_TILES:
+            *_, write_columns = sch.get_loops(out_block)
+            _, write_lane = sch.split(write_columns, [None, isa.lanes])
+            sch.vectorize(write_lane)
+            row_iters[sch.get(out_block).name_hint] = out_row_axis
         return [("shift", row_iters, vectors * isa.lanes, row_extent)]
     sch.reorder(n, o_outer, oh, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
     _fuse_channels(sch, [n, o_outer, oh], parallel)
-    sch.unroll(o_inner)
+    sch.vectorize(o_inner)
     sch.decompose_reduction(tiles, reductions[0])
     return [("restrict", sch.get(ow).loop_var, row_extent)]
 
