@@ -43,6 +43,9 @@ DEPTHWISE = "conv2d_depthwise"
 # Output channels of a width-vectors tile (its register rows), beside ROWS_ANNOTATION's
 # columns per tile, which is the extent a version needs (dispatch.py).
 CHANNEL_ROWS_ANNOTATION = "tightfit.channel_rows"
+# Output rows of a depthwise tile: two rows share two of their three (3x3) input rows' loads,
+# and give the multiply-adds two independent chains.
+DEPTHWISE_ROWS = 2
 
 
 def output_extent(size, pad_before: int, pad_after: int, kernel: int, stride: int, dilation: int):
@@ -231,23 +234,25 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
 
 
 def pack_input_phases(data: te.Tensor, tile_w, kernel_w: int, strides, padding, dilation,
-                      name: str) -> te.Tensor:
+                      name: str, rows=None) -> te.Tensor:
     """Zero-padded NCHW input with each padded row split into `stride_w` phases:
     [N, C, padded H, stride_w, phase_w]; phase p, column j is padded column j * stride_w + p,
     so output column ow, tap kw reads phase (kw * dil_w) % stride_w at column
     ow + (kw * dil_w) // stride_w, consecutive in ow for any stride. `tile_w` is the width
-    domain the tiles cover (at least the output width)."""
+    domain the tiles cover (at least the output width); `rows`, when given, the padded rows
+    to hold (more than the padded input's, the rest zeros)."""
     batch, channels, height, width = data.shape
     stride_w, dil_w = strides[1], dilation[1]
     top, left, bottom, right = padding
     phase_w = tile_w + ((kernel_w - 1) * dil_w) // stride_w
+    rows = height + top + bottom if rows is None else tirx.max(height + top + bottom, rows)
 
     def pad_value(n, c, h, phase, j):
         w = j * stride_w + phase
         inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
         return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
 
-    return te.compute((batch, channels, height + top + bottom, stride_w, phase_w), pad_value,
+    return te.compute((batch, channels, rows, stride_w, phase_w), pad_value,
                       name=name, attrs={STAGE_ANNOTATION: "packed_input"})
 
 
@@ -257,7 +262,9 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
 
     The packing stage pads each channel and splits its rows into phases (`pack_input_phases`),
     so every vector load is contiguous. Tiles of `vector_width` columns cover the width with
-    the last one shifted back (tail_tiles.py), so the width domain is max(out_w, vector_width).
+    the last one shifted back (tail_tiles.py), so the width domain is max(out_w, vector_width);
+    a tile is DEPTHWISE_ROWS output rows high, so the row domain is rounded up to whole tiles
+    (the packed input holds zero rows below) and the write-back skips rows past the output.
     """
     batch, channels, height, width = data.shape
     _, _, kernel_h, kernel_w = (int(d) for d in weight.shape)
@@ -266,8 +273,10 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
     out_h = output_extent(height, top, bottom, kernel_h, stride_h, dil_h)
     out_w = output_extent(width, left, right, kernel_w, stride_w, dil_w)
     tile_w = tirx.max(out_w, vector_width)
+    tile_h = (out_h + DEPTHWISE_ROWS - 1) // DEPTHWISE_ROWS * DEPTHWISE_ROWS
     packed_input = pack_input_phases(data, tile_w, kernel_w, strides, padding, dilation,
-                                     "depthwise_input_phases")
+                                     "depthwise_input_phases",
+                                     rows=(tile_h - 1) * stride_h + (kernel_h - 1) * dil_h + 1)
     ry = te.reduce_axis((0, kernel_h), "ry")
     rx = te.reduce_axis((0, kernel_w), "rx")
 
@@ -276,7 +285,7 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
         pixel = packed_input[n, c, oh * stride_h + ry * dil_h, tap % stride_w, ow + tap // stride_w]
         return te.sum(pixel * weight[c, 0, ry, rx], axis=[ry, rx])
 
-    tiles = te.compute((batch, channels, out_h, tile_w), tile_value, name="depthwise_tiles",
+    tiles = te.compute((batch, channels, tile_h, tile_w), tile_value, name="depthwise_tiles",
                        attrs={KERNEL_ANNOTATION: DEPTHWISE, ROWS_ANNOTATION: vector_width,
                               OUTPUT_ROW_AXIS_ANNOTATION: 3})
     return te.compute((batch, channels, out_h, out_w), lambda n, c, h, w: tiles[n, c, h, w],
@@ -297,14 +306,16 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     n, c, oh, ow, ry, rx = sch.get_loops(tiles)
     packing = _packing_stage(sch, tiles)
     if version == ROW_TILES:
+        oh_outer, oh_inner = sch.split(oh, [None, DEPTHWISE_ROWS])
         ow_outer, ow_lane = sch.split(ow, [None, vector_width])
-        sch.reorder(n, c, oh, ow_outer, ry, rx, ow_lane)
+        sch.reorder(n, c, oh_outer, ow_outer, ry, rx, oh_inner, ow_lane)
         sch.reverse_compute_at(out_block, ow_outer)
         channel = _fuse_channels(sch, [n, c], parallel)
         sch.compute_at(packing, channel)
         _copy_filter_per_channel(sch, tiles, channel)
         sch.unroll(ry)
         sch.unroll(rx)
+        sch.unroll(oh_inner)
         sch.vectorize(ow_lane)
         init = sch.decompose_reduction(tiles, ry)
         sch.vectorize(sch.get_loops(out_block)[-1])

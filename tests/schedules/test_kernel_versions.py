@@ -163,10 +163,13 @@ def test_conv1d_runs_as_a_conv2d_kernel_at_width_bucket_edges(knob_database):
                                sorted({2 * edge for edge in row_edges(lanes)} | {2 * lanes - 1}))
 
 
-def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database):
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database, stride):
+    """Five input rows: an odd number of output rows, so the last two-row tile is half out."""
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
-    assert_matches_onnxruntime(conv_model(6, 6, groups=6), "conv2d_depthwise", knob_database,
-                               lambda w: {"x": _normal(1, 6, 5, w)}, row_edges(lanes))
+    widths = sorted({stride * (edge - 1) + 1 for edge in row_edges(lanes)} | {stride * lanes})
+    assert_matches_onnxruntime(conv_model(6, 6, groups=6, stride=stride), "conv2d_depthwise",
+                               knob_database, lambda w: {"x": _normal(1, 6, 5, w)}, widths)
 
 
 @pytest.mark.parametrize("model, kernel", [(dense_model(40), "dense_packed"),
