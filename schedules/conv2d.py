@@ -200,7 +200,9 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
 
     Narrower outputs (the SINGLE_ROW version): a conv that reads the padded input computes one
     full tile per row from column 0 (the padded input is a tile wide, so the extra columns read
-    zeros and are not written: the write-back keeps the split's bounds check, scalar);
+    zeros and are not written: the write-back keeps the split's bounds check, which the build
+    turns into masked vector stores; 62 -> 80 GFLOP/s on a 10-wide 12 -> 24 conv, against
+    scalar stores);
     a pointwise conv, which reads the input as it is and so must not read past the row, runs
     one column at a time with the channel rows as a vector (the weight panel is contiguous
     along them).
@@ -219,11 +221,14 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         sch.vectorize(ow_lane)
         init = sch.decompose_reduction(tiles, reductions[0])
         row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3}
+        *_, write_channels, write_columns = sch.get_loops(out_block)
         if version == ROW_TILES:
-            *_, write_columns = sch.get_loops(out_block)
             _, write_lane = sch.split(write_columns, [None, isa.lanes])
             sch.vectorize(write_lane)
             row_iters[sch.get(out_block).name_hint] = out_row_axis
+        else:  # a masked vector store per channel row (pipeline.BUILD_CONFIG: predication)
+            sch.unroll(write_channels)
+            sch.vectorize(write_columns)
         return [("shift", row_iters, vectors * isa.lanes, row_extent)]
     sch.reorder(n, o_outer, oh, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)

@@ -9,12 +9,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import onnx
+import tvm
 from tvm import relax, tirx
 
 from .errors import CompilationError, CorruptPackageError, PackageError, StalePackageError
 from .frontend import import_onnx
 from .package import Package, SourceModel, load_package, read_manifest
-from .pipeline import PipelineOptions, codegen_target, fresh_outputs, run_pipeline, split_weights
+from .pipeline import BUILD_CONFIG, PipelineOptions, codegen_target, fresh_outputs, run_pipeline, split_weights
 from .target import resolve_target
 
 
@@ -43,7 +44,9 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
         on_pass("build")
     build_started = time.perf_counter()
     try:
-        executable = relax.build(lowered, codegen_target(compile_target, options), relax_pipeline=None)
+        with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
+            executable = relax.build(lowered, codegen_target(compile_target, options),
+                                     relax_pipeline=None)
     except Exception as err:  # TVM's C++ errors
         raise CompilationError(f"code generation failed: {str(err).strip().splitlines()[-1]}") from err
     pass_times.append({"pass": "build", "seconds": round(time.perf_counter() - build_started, 4)})

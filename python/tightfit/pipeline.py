@@ -100,6 +100,12 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
     ]
 
 
+# TIR lowering options for code generation: a vectorized loop whose iterations are bounds
+# checked (a kernel's write-back of a tile wider than the output) becomes masked vector loads
+# and stores instead of a scalar loop
+BUILD_CONFIG = {"tirx.enable_buffer_level_predication": True}
+
+
 def codegen_target(target: CompileTarget, options: PipelineOptions) -> tvm.target.Target:
     """The target LLVM generates code for: with `fast_math`, float additions may be
     reassociated (LLVM's `reassoc` flag), which lets the loop vectorizer vectorize the
