@@ -220,16 +220,23 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         sch.unroll(ow_vector)
         sch.vectorize(ow_lane)
         init = sch.decompose_reduction(tiles, reductions[0])
-        row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3}
+        out_name = sch.get(out_block).name_hint
+        row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3,
+                     out_name: out_row_axis}
         *_, write_channels, write_columns = sch.get_loops(out_block)
         if version == ROW_TILES:
             _, write_lane = sch.split(write_columns, [None, isa.lanes])
             sch.vectorize(write_lane)
-            row_iters[sch.get(out_block).name_hint] = out_row_axis
-        else:  # a masked vector store per channel row (pipeline.BUILD_CONFIG: predication)
-            sch.unroll(write_channels)
-            sch.vectorize(write_columns)
-        return [("shift", row_iters, vectors * isa.lanes, row_extent)]
+            return [("shift", row_iters, vectors * isa.lanes, row_extent)]
+        # One tile per row, at column 0 (the tile loop cut to one iteration): all blocks index
+        # the tile alike, so its buffer compacts to one tile and stays in registers (with the
+        # write-back indexed differently it kept the output's symbolic width, and every
+        # multiply-add went through memory); the write-back keeps its bounds check and is a
+        # masked vector store per channel row (pipeline.BUILD_CONFIG: predication).
+        sch.unroll(write_channels)
+        sch.vectorize(write_columns)
+        return [("shift", row_iters, vectors * isa.lanes, row_extent, frozenset({out_name})),
+                ("restrict", sch.get(ow_outer).loop_var, 1)]
     sch.reorder(n, o_outer, oh, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
     _fuse_channels(sch, [n, o_outer, oh], parallel)

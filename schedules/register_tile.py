@@ -136,8 +136,8 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
 def apply_tail_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
     for rewrite in rewrites:
         if rewrite[0] == "shift":
-            _, row_iters, rows, extent = rewrite
-            func = shift_tail_tile(func, row_iters, rows, extent)
+            _, row_iters, rows, extent, *keep_checks = rewrite
+            func = shift_tail_tile(func, row_iters, rows, extent, *keep_checks)
         else:
             _, loop_var, extent = rewrite
             func = restrict_loop(func, loop_var, extent)

@@ -25,9 +25,10 @@ from tvm import s_tir, tirx
 
 
 def shift_tail_tile(func: tirx.PrimFunc, row_iters: dict[str, int], tile: int,
-                    extent) -> tirx.PrimFunc:
+                    extent, keep_checks: frozenset[str] = frozenset()) -> tirx.PrimFunc:
     """Rebind the row iterator of each block in `row_iters` (block name -> iterator index) to
-    full tiles, the last one shifted back, and drop the split's bounds checks on it.
+    full tiles, the last one shifted back, and drop the split's bounds checks on it (except in
+    the blocks named in `keep_checks`).
 
     The row binding e of a block is (tile index) * tile + (row in tile), however the tile loop
     was fused afterwards; it becomes max(min(e // tile * tile, extent - tile), 0) + e % tile.
@@ -45,6 +46,8 @@ def shift_tail_tile(func: tirx.PrimFunc, row_iters: dict[str, int], tile: int,
         tile_start = analyzer.simplify(tirx.floordiv(row, tile) * tile)
         row_in_tile = analyzer.simplify(tirx.floormod(row, tile))
         values[index] = tirx.max(tirx.min(tile_start, extent - tile), 0) + row_in_tile
+        if realize.block.name_hint in keep_checks:
+            return s_tir.SBlockRealize(values, realize.predicate, realize.block)
         inner_vars = tirx.analysis.undefined_vars(row_in_tile)
         kept = [c for c in conjuncts(realize.predicate)
                 if not any(v.same_as(u) for v in inner_vars for u in tirx.analysis.undefined_vars(c))]
