@@ -11,12 +11,15 @@ through every op), and each kernel changes layout inside:
   input directly, a tile's rows being consecutive floats of one channel row (the packing cost
   more than the multiply-adds of MobileNet's 64 -> 16 projection: 77 us of which most went to
   transposing the input).
+- `conv2d_width_vectors`: tiles of output channels x a vector of output columns, so the
+  accumulators are rows of the NCHW output and the write-back needs no transpose; it reads the
+  input as it is (pointwise) or padded and split into row phases (`pack_input_phases`). The
+  cost model (conv_cost.py) prefers it to `conv2d_direct` wherever it measured faster.
 - `conv2d_depthwise`: one filter per channel has no reduction over channels to vectorize, so
-  the vectors run along the output width in NCHW directly; the packing stage pads and, for
-  stride s, splits each row into s phases so that every vector load is contiguous.
+  the vectors run along the output width in NCHW directly, over the same padded row phases.
 Memory footprint (MNN pre-inference; recorded by passes/select_conv_algorithm.py): the packed
 input (workspace) and the packed weights.
-Limits: groups must be 1 (direct) or equal to the channel count (depthwise); fp32.
+Limits: groups must be 1 (direct, width vectors) or equal to the channel count (depthwise); fp32.
 """
 
 from __future__ import annotations
@@ -200,12 +203,10 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
 
     Narrower outputs (the SINGLE_ROW version): a conv that reads the padded input computes one
     full tile per row from column 0 (the padded input is a tile wide, so the extra columns read
-    zeros and are not written: the write-back keeps the split's bounds check, which the build
-    turns into masked vector stores; 62 -> 80 GFLOP/s on a 10-wide 12 -> 24 conv, against
-    scalar stores);
-    a pointwise conv, which reads the input as it is and so must not read past the row, runs
-    one column at a time with the channel rows as a vector (the weight panel is contiguous
-    along them).
+    zeros) and writes only the output's columns, with masked vector stores (62 -> 80 GFLOP/s
+    on a 10-wide 12 -> 24 conv, against scalar stores); a pointwise conv, which reads the input
+    as it is and so must not read past the row, runs one column at a time with the channel rows
+    as a vector (the weight panel is contiguous along them).
     """
     n, o, oh, ow, *reductions = sch.get_loops(tiles)
     o_outer, o_inner = sch.split(o, [None, channel_rows])
@@ -215,7 +216,7 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
         sch.reorder(n, o_outer, oh, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
         sch.reverse_compute_at(out_block, ow_outer)
-        _fuse_channels(sch, [n, o_outer, oh], parallel)
+        _fuse_outer_loops(sch, [n, o_outer, oh], parallel)
         sch.unroll(o_inner)
         sch.unroll(ow_vector)
         sch.vectorize(ow_lane)
@@ -228,18 +229,17 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
             _, write_lane = sch.split(write_columns, [None, isa.lanes])
             sch.vectorize(write_lane)
             return [("shift", row_iters, vectors * isa.lanes, row_extent)]
-        # One tile per row, at column 0 (the tile loop cut to one iteration): all blocks index
-        # the tile alike, so its buffer compacts to one tile and stays in registers (with the
-        # write-back indexed differently it kept the output's symbolic width, and every
-        # multiply-add went through memory); the write-back keeps its bounds check and is a
-        # masked vector store per channel row (pipeline.BUILD_CONFIG: predication).
+        # One tile per row, at column 0 (the tile loop cut to one iteration). The write-back is
+        # shifted like the tile so that all blocks index the tile alike and its buffer compacts
+        # to one tile (indexed differently, it kept the output's symbolic width: 2x slower);
+        # it keeps its bounds check, a masked vector store per channel row (BUILD_CONFIG).
         sch.unroll(write_channels)
         sch.vectorize(write_columns)
         return [("shift", row_iters, vectors * isa.lanes, row_extent, frozenset({out_name})),
                 ("restrict", sch.get(ow_outer).loop_var, 1)]
     sch.reorder(n, o_outer, oh, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
-    _fuse_channels(sch, [n, o_outer, oh], parallel)
+    _fuse_outer_loops(sch, [n, o_outer, oh], parallel)
     sch.vectorize(o_inner)
     sch.decompose_reduction(tiles, reductions[0])
     return [("restrict", sch.get(ow).loop_var, row_extent)]
@@ -322,7 +322,7 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
         ow_outer, ow_lane = sch.split(ow, [None, vector_width])
         sch.reorder(n, c, oh_outer, ow_outer, ry, rx, oh_inner, ow_lane)
         sch.reverse_compute_at(out_block, ow_outer)
-        channel = _fuse_channels(sch, [n, c], parallel)
+        channel = _fuse_outer_loops(sch, [n, c], parallel)
         sch.compute_at(packing, channel)
         _copy_filter_per_channel(sch, tiles, channel)
         sch.unroll(ry)
@@ -336,7 +336,7 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
         return [("shift", row_iters, vector_width, row_extent)]
     sch.reorder(n, c, oh, ow, ry, rx)
     sch.reverse_compute_at(out_block, ow)
-    channel = _fuse_channels(sch, [n, c], parallel)
+    channel = _fuse_outer_loops(sch, [n, c], parallel)
     sch.compute_at(packing, channel)
     _copy_filter_per_channel(sch, tiles, channel)
     sch.unroll(ry)
@@ -364,7 +364,7 @@ def _packing_stage(sch: s_tir.Schedule, tiles):
     return producers[0]
 
 
-def _fuse_channels(sch: s_tir.Schedule, loops: list, parallel: bool):
+def _fuse_outer_loops(sch: s_tir.Schedule, loops: list, parallel: bool):
     fused = sch.fuse(*loops)
     if parallel:
         sch.parallel(fused)

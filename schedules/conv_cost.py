@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, tirx
 
-from .conv2d import width_tile_knobs
+from .conv2d import is_pointwise, width_tile_knobs
 from .isa import VectorISA
 
 BYTES_PER_FLOAT = 4
@@ -158,7 +158,7 @@ def _width_vectors(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
     out_h, out_w = shape.out_hw
     kh, kw = shape.kernel
     channel_rows = width_tile_knobs(isa, shape.out_channels).rows
-    pointwise = shape.kernel == (1, 1) and shape.strides == (1, 1) and not any(shape.padding)
+    pointwise = is_pointwise(*shape.kernel, shape.strides, shape.padding)
     if out_w >= isa.lanes:
         columns = -(-out_w // isa.lanes) * isa.lanes
     elif pointwise:
