@@ -214,9 +214,9 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
                              for block in sch.get_producers(tiles))
     if version == ROW_TILES or reads_padded_input:
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
-        sch.reorder(n, o_outer, oh, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
+        sch.reorder(oh, o_outer, n, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
         sch.reverse_compute_at(out_block, ow_outer)
-        _fuse_outer_loops(sch, [n, o_outer, oh], parallel)
+        _fuse_outer_loops(sch, [oh, o_outer], parallel)
         sch.unroll(o_inner)
         sch.unroll(ow_vector)
         sch.vectorize(ow_lane)
@@ -237,9 +237,9 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         sch.vectorize(write_columns)
         return [("shift", row_iters, vectors * isa.lanes, row_extent, frozenset({out_name})),
                 ("restrict", sch.get(ow_outer).loop_var, 1)]
-    sch.reorder(n, o_outer, oh, ow, *reductions, o_inner)
+    sch.reorder(oh, o_outer, n, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
-    _fuse_outer_loops(sch, [n, o_outer, oh], parallel)
+    _fuse_outer_loops(sch, [oh, o_outer], parallel)
     sch.vectorize(o_inner)
     sch.decompose_reduction(tiles, reductions[0])
     return [("restrict", sch.get(ow).loop_var, row_extent)]
