@@ -112,7 +112,11 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
         write_back_at = col_outer
     else:
         sch.reorder(*batch, col_outer, row, *reductions, *inner_reduction, col_vector, col_lane)
-        parallel_loops = [*batch, col_outer]
+        # A fused loop's parts are recovered by dividing by the extents inside it; a symbolic
+        # panel count would put the tile at an offset TVM cannot prove constant, and the
+        # accumulators in memory instead of registers (tests/schedules/test_register_tiles.py)
+        panels_known = isinstance(sch.get(col_outer).extent, tirx.IntImm)
+        parallel_loops = [*batch, col_outer] if panels_known or not batch else batch
         unrolled = [col_vector]
         write_back_at = row
     sch.reverse_compute_at(out_block, write_back_at)
