@@ -195,18 +195,17 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
                            parallel: bool = True) -> list[tuple]:
     """The conv2d_width_vectors micro-kernel:
 
-        parallel for (batch, channel panel, output row):   # a row's indices: 3 divisions
-          for column tile:                                 # vectors x lanes columns
+        parallel for (output row, channel panel):   # the panel count is static
+          for batch, column tile:                   # vectors x lanes columns
             acc[channel_rows][vectors] = 0
             for ry, rx, c: acc[i][v] += W[panel, ry, rx, c, i] * input[c, row + ry, col + v + rx]
             output[panel rows, row, tile columns] = epilogue(acc)
 
     Narrower outputs (the SINGLE_ROW version): a conv that reads the padded input computes one
     full tile per row from column 0 (the padded input is a tile wide, so the extra columns read
-    zeros) and writes only the output's columns, with masked vector stores (62 -> 80 GFLOP/s
-    on a 10-wide 12 -> 24 conv, against scalar stores); a pointwise conv, which reads the input
-    as it is and so must not read past the row, runs one column at a time with the channel rows
-    as a vector (the weight panel is contiguous along them).
+    zeros) and writes only the output's columns, through a bounds check per column; a pointwise
+    conv, which reads the input as it is and so must not read past the row, runs one column at
+    a time with the channel rows as a vector (the weight panel is contiguous along them).
     """
     n, o, oh, ow, *reductions = sch.get_loops(tiles)
     o_outer, o_inner = sch.split(o, [None, channel_rows])
@@ -216,6 +215,8 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
         sch.reorder(oh, o_outer, n, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
         sch.reverse_compute_at(out_block, ow_outer)
+        # Not the batch: its part of the fused index would divide by the symbolic row count,
+        # and the tile's offset would not be provably constant (test_register_tiles.py).
         _fuse_outer_loops(sch, [oh, o_outer], parallel)
         sch.unroll(o_inner)
         sch.unroll(ow_vector)
@@ -232,7 +233,8 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         # One tile per row, at column 0 (the tile loop cut to one iteration). The write-back is
         # shifted like the tile so that all blocks index the tile alike and its buffer compacts
         # to one tile (indexed differently, it kept the output's symbolic width: 2x slower);
-        # it keeps its bounds check, a masked vector store per channel row (BUILD_CONFIG).
+        # it keeps its bounds check (TVM 0.27 makes that a masked vector store only when every
+        # access in the loop has the check's base, which the epilogue's loads have not).
         sch.unroll(write_channels)
         sch.vectorize(write_columns)
         return [("shift", row_iters, vectors * isa.lanes, row_extent, frozenset({out_name})),
