@@ -9,10 +9,10 @@ or dtype is an InputError that says what the model expects.
 
 On the host, arrays cross into and out of the VM without copies where that is safe: an input
 that TVM can view (64-byte aligned, contiguous, writable) is passed as a view, any other is
-copied once into an aligned buffer; an output the compiled code allocates anew on every run
-(`Package.fresh_outputs`) is handed back as a numpy view of that allocation, any other (an input,
-a weight or a constant returned as it is) is copied. TVM's own conversions cost
-~11 us per input and ~5 us per output, more than some whole models take.
+copied into an aligned buffer the session keeps for that input; an output the compiled code
+allocates anew on every run (`Package.fresh_outputs`) is handed back as a numpy view of that
+allocation, any other (an input, a weight or a constant returned as it is) is copied. TVM's
+own conversions cost ~11 us per input and ~5 us per output, more than some whole models take.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class Session:
         self._on_host = remote is None and _is_host(self.device)
         self._handed_out = {spec.name for spec, fresh in zip(package.outputs, package.fresh_outputs)
                             if fresh and _numpy_exchanges(spec.dtype)}
+        # input name -> (aligned numpy buffer, TVM view of it), for inputs TVM cannot view
+        self._staging: dict[str, tuple[np.ndarray, tvm.runtime.Tensor]] = {}
 
     @property
     def input_names(self) -> list[str]:
@@ -67,9 +69,24 @@ class Session:
         """Check `feeds` against the model's inputs and place them on the device."""
         check_feeds(self.package.inputs, feeds)
         if self._on_host:
-            return [host_tensor(feeds[name]) for name in self.input_names]
+            return [self._host_input(name, feeds[name]) for name in self.input_names]
         return [tvm.runtime.tensor(np.asarray(feeds[name], order="C"), self.device)
                 for name in self.input_names]
+
+    def _host_input(self, name: str, array: np.ndarray) -> tvm.runtime.Tensor:
+        """A view of `array` when TVM can take one, else a copy into this session's aligned
+        buffer for that input, kept while the input's shape stays: a new buffer per run cost
+        ~3 us of a run. (A Session, like TVM's VM, runs one call at a time.)"""
+        if array.size == 0 or array.dtype not in NUMPY_DLPACK_DTYPES:
+            return tvm.runtime.tensor(np.asarray(array, order="C"), tvm.cpu())
+        if _viewable(array):
+            return tvm.runtime.from_dlpack(array)
+        staged = self._staging.get(name)
+        if staged is None or staged[0].shape != array.shape or staged[0].dtype != array.dtype:
+            buffer = aligned_empty(array.shape, array.dtype)
+            staged = self._staging[name] = (buffer, tvm.runtime.from_dlpack(buffer))
+        np.copyto(staged[0], array)
+        return staged[1]
 
     def profile(self, feeds: dict[str, np.ndarray]):
         """Each kernel's time in a run on `feeds`, and the whole run's (profiling.py)."""
@@ -96,17 +113,13 @@ def device_tensor(array: np.ndarray, device: tvm.runtime.Device) -> tvm.runtime.
     return tvm.runtime.tensor(np.asarray(array, order="C"), device)
 
 
-def host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
-    """A host TVM tensor for `array`: a view when TVM can take one, else an aligned copy."""
-    if array.size == 0 or array.dtype not in NUMPY_DLPACK_DTYPES:
-        return tvm.runtime.tensor(np.asarray(array, order="C"), tvm.cpu())
-    if _viewable(array):
-        return tvm.runtime.from_dlpack(array)
-    buffer = np.empty(array.nbytes + TVM_ALIGNMENT, np.uint8)
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array whose data TVM can view (TVM_ALIGNMENT-aligned)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buffer = np.empty(nbytes + TVM_ALIGNMENT, np.uint8)
     start = -buffer.ctypes.data % TVM_ALIGNMENT
-    aligned = buffer[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
-    np.copyto(aligned, array)
-    return tvm.runtime.from_dlpack(aligned)
+    return buffer[start:start + nbytes].view(dtype).reshape(shape)
 
 
 TVM_ALIGNMENT = 64  # what TVM requires of memory it views
