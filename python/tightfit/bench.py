@@ -317,10 +317,11 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
     if failures:
         lines += ["", "Failures:"] + [f"- {model} / {engine}: {why}" for model, engine, why in failures]
     tvm_threads = ", ".join(map(str, sorted({r.threads for r in results})))
+    repeats = ", ".join(map(str, sorted({r.repeat for r in results})))
     ort_threads = ", ".join(map(str, sorted({r.onnxruntime_threads for r in results})))
     lines += ["", f"Threads: tightfit and tvm-default {tvm_threads} (TVM's pool), onnxruntime "
               f"{ort_threads} (its default: one per physical core); {os.cpu_count()} CPUs on this "
-              f"machine. Median of the timed runs after warm-up, engines taking turns in {ROUNDS} rounds."]
+              f"machine. Median of {repeats} timed runs after warm-up, engines taking turns in {ROUNDS} rounds."]
     return "\n".join(lines)
 
 
