@@ -101,8 +101,9 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
 
 
 # TIR lowering options for code generation: a vectorized loop whose iterations are bounds
-# checked (a kernel's write-back of a tile wider than the output) becomes masked vector loads
-# and stores instead of a scalar loop
+# checked becomes masked vector loads and stores instead of a scalar loop, where TVM 0.27 can:
+# only when every access in the loop is a vector at the check's own base (a plain copy, not a
+# kernel's write-back with an epilogue, which stays a bounds-checked loop for LLVM)
 BUILD_CONFIG = {"tirx.enable_buffer_level_predication": True}
 
 
