@@ -10,8 +10,10 @@ compile time) the candidates are
   faster than `direct` on the zoo's layers, and 1.6-1.8x on 7x7 and 10-wide maps although it
   computes a whole vector of columns there (conv_cost.KERNEL_EFFICIENCY);
 - `depthwise`: the per-channel kernel, the only candidate when groups == channels.
-conv_cost.py also costs Winograd F(2x2, 3x3) / F(4x4, 3x3) for 3x3 stride-1 convs, but no
-Winograd kernel exists yet, so they are not offered (`winograd=False` below).
+- `winograd_f2`, `winograd_f4`: Winograd F(2x2, 3x3) / F(4x4, 3x3) for 3x3 stride-1 convs
+  (schedules/winograd.py): the weights transformed offline, an input-transform kernel, a
+  batched dense GEMM per transform point, an output-transform kernel that takes the epilogue;
+  workspace = the transformed input and the GEMM's result.
 Cost of a candidate = its multiply-adds / its measured multiply-add rate + the bytes its stages
 move / the memory bandwidth + the transforms' arithmetic, all in seconds (schedules/conv_cost.py);
 the rates come from the knob database where recorded, else from MNN-style defaults (conv_cost.py). The cheapest candidate that fits `max_workspace_bytes` wins (a memory budget
@@ -34,8 +36,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax, tirx
 
-from ..schedules import conv2d
-from ..schedules.conv_cost import ConvShape, Rates, candidate_costs, choose
+from ..schedules import conv2d, gemm, winograd
+from ..schedules.conv_cost import WINOGRAD_TILES, ConvShape, Rates, candidate_costs, choose
 from ..schedules.isa import isa_for_target
 from ..schedules.kernel_call import WeightOnly, emit_kernel, emit_weight_transform
 from ..schedules.knob_database import KnobDatabase
@@ -94,7 +96,8 @@ class _ConvRewriter(relax.PyExprMutator):
         """Cost the candidates of the conv2d `call`, emit the cheapest; `source_weight` names the
         packed weight in the weight file."""
         shape = ConvShape.from_call(call, self.typical)
-        costs = [c for c in candidate_costs(shape, self.isa, self.rates, winograd=False)
+        winograd = self.algorithms is not None and bool(set(self.algorithms) & set(WINOGRAD_TILES))
+        costs = [c for c in candidate_costs(shape, self.isa, self.rates, winograd=winograd)
                  if self.algorithms is None or c.name in self.algorithms or c.name == "depthwise"]
         chosen = choose(costs, self.max_workspace_bytes)
         return self._emit(chosen.name, call, data, weight, costs, name, source_weight)
@@ -115,6 +118,10 @@ class _ConvRewriter(relax.PyExprMutator):
             return emit_kernel(self.builder_, conv2d.conv2d_depthwise, [data, weight],
                                "conv2d_depthwise", record, name, strides=strides, padding=padding,
                                dilation=dilation, vector_width=self.isa.lanes)
+        if algorithm in WINOGRAD_TILES:
+            record.update(_footprint(costs, algorithm))
+            return self._emit_winograd(WINOGRAD_TILES[algorithm], call, data, weight, record,
+                                       name, source_weight)
         if algorithm == "width_vectors":
             knobs = (self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, out_width, self.isa)
                      or conv2d.width_tile_knobs(self.isa, out_channels))
@@ -138,6 +145,28 @@ class _ConvRewriter(relax.PyExprMutator):
                            record, name, out_channels=out_channels, strides=strides,
                            padding=padding, dilation=dilation, rows=knobs.rows,
                            vectors=knobs.vectors)
+
+
+    def _emit_winograd(self, tile, call, data, weight, record, name, source_weight):
+        """Weights transformed offline, then input transform, GEMM per point, output transform
+        (which FuseOps gives the conv's epilogue)."""
+        out_channels = int(call.args[1].ty.shape[0])
+        gemm_rows = winograd.tile_count(call.ty.shape.values, tile)
+        knobs = (self.database.tile_knobs(gemm.DENSE, out_channels, gemm_rows, self.isa)
+                 or default_tile_knobs(self.isa, out_channels, gemm_rows))
+        transformed = emit_weight_transform(
+            self.builder_, winograd.winograd_weight, [weight], "winograd_weight",
+            self.weight_only.transformed_name(source_weight, f"winograd{tile}"), tile=tile,
+            panel_width=knobs.vectors * self.isa.lanes)
+        padding = [int(p) for p in call.attrs.padding]
+        tiles = emit_kernel(self.builder_, winograd.winograd_input, [data], "winograd_input",
+                            {}, f"{name}_winograd_input", tile=tile, padding=padding)
+        products = emit_kernel(self.builder_, gemm.dense_packed, [tiles, transformed],
+                               "dense_packed", {"tightfit.algorithm": gemm.DENSE},
+                               f"{name}_winograd_gemm", out_features=out_channels,
+                               rows=knobs.rows, vectors=knobs.vectors)
+        return emit_kernel(self.builder_, winograd.winograd_output, [products], "winograd_output",
+                           record, name, out_shape=list(call.ty.shape.values), tile=tile)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tightfit.SelectConvAlgorithm")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from . import conv2d, gemm
+from . import conv2d, gemm, winograd
 from .dispatch import (
     DEFAULT_MIN_PARALLEL_WORK,
     combine,
@@ -69,6 +69,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         return None
     block_name, annotations = found
     kind = str(annotations[KERNEL_ANNOTATION])
+    if kind in winograd.TRANSFORM_KERNELS:
+        return _schedule_transform(func, block_name, annotations, isa, min_parallel_work)
     rows = int(annotations[ROWS_ANNOTATION])
     sch = s_tir.Schedule(func)
     out_block = _single_consumer(sch, sch.get_sblock(block_name))
@@ -101,6 +103,28 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         if parallel:
             parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
         versions.append((condition, apply_tail_rewrites(sch.mod["main"], rewrites)))
+    return join_versions(versions).with_attr("tirx.is_scheduled", True)
+
+
+def _schedule_transform(func: tirx.PrimFunc, block_name: str, annotations: dict, isa: VectorISA,
+                        min_parallel_work: int) -> tirx.PrimFunc:
+    """A Winograd transform kernel: no register tiles, so only the serial/parallel versions."""
+    versions = []
+    for parallel, condition in parallel_buckets(loop_work(func), min_parallel_work):
+        sch = s_tir.Schedule(func)
+        tiles = sch.get_sblock(block_name)
+        if annotations[KERNEL_ANNOTATION] == winograd.WINOGRAD_INPUT:
+            winograd.schedule_input_transform(sch, tiles, isa, parallel)
+            kernel_blocks = frozenset({block_name})
+        else:
+            out_block = inline_epilogue(sch, _single_consumer(sch, tiles))
+            winograd.schedule_output_transform(sch, tiles, out_block,
+                                               int(annotations[winograd.TILE_ANNOTATION]), isa,
+                                               parallel)
+            kernel_blocks = frozenset({block_name, sch.get(out_block).name_hint})
+        if parallel:
+            parallelize_outer_loops(sch, skip=kernel_blocks)
+        versions.append((condition, sch.mod["main"]))
     return join_versions(versions).with_attr("tirx.is_scheduled", True)
 
 

@@ -1,0 +1,210 @@
+"""Winograd convolution F(m x m, 3 x 3) as three kernels and an offline weight transform.
+
+MNN §3.1 (Winograd among the pre-inference candidates) and Lavin & Gray, "Fast Algorithms for
+Convolutional Neural Networks" (2016). A 3x3 stride-1 conv computes each m x m output tile from
+an alpha x alpha input tile (alpha = m + 2) as
+
+    Y = A^T [ (G g G^T) (.) (B^T d B) ] A
+
+so the multiply-adds become alpha^2 independent GEMMs over channels, one per transform point:
+- weights (offline, PreTransformWeights): U[point, k, c] = (G g_kc G^T)[point], packed into the
+  dense kernel's panels, one weight matrix per point;
+- `winograd_input`: V[point, tile, c] = (B^T d_tile,c B)[point], the input read through a
+  zero-padded channels-last copy so that the transform vectorizes over channels;
+- the GEMM: M[point, tile, k] = sum_c V[point, tile, c] U[point, k, c], gemm.dense_packed with a
+  weight per point, on register tiles (register_tile.py);
+- `winograd_output`: Y[n, k, tile rows, tile cols] = (A^T M_tile,k A), vectorized over output
+  channels, with the conv's epilogue (bias, activation, residual) fused into its write-back.
+F(2x2, 3x3) cuts the multiply-adds 2.25x, F(4x4, 3x3) 4x; the transforms cost memory traffic and
+arithmetic per tile and channel, which conv_cost.py weighs against the savings. The matrices use
+the points 0, +-1, +-2 and infinity; F(4x4, 3x3)'s are exact in fp32 up to rounding of 1/6 and
+1/24 in G, so outputs differ from a direct conv's in the last bits, as onnxruntime's do.
+Limits: 3x3 kernels, stride 1, dilation 1, groups 1, fp32.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from tvm import s_tir, te, tirx
+
+from .isa import VectorISA
+from .register_tile import KERNEL_ANNOTATION, ROWS_ANNOTATION, STAGE_ANNOTATION
+
+WINOGRAD_INPUT = "winograd_input"
+WINOGRAD_OUTPUT = "winograd_output"
+TRANSFORM_KERNELS = (WINOGRAD_INPUT, WINOGRAD_OUTPUT)
+# Output tile side m -> (B^T, G, A^T), each a list of rows.
+_F = Fraction
+MATRICES = {
+    2: ([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
+        [[1, 0, 0], [_F(1, 2), _F(1, 2), _F(1, 2)], [_F(1, 2), _F(-1, 2), _F(1, 2)], [0, 0, 1]],
+        [[1, 1, 1, 0], [0, 1, -1, -1]]),
+    4: ([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
+         [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]],
+        [[_F(1, 4), 0, 0], [_F(-1, 6), _F(-1, 6), _F(-1, 6)], [_F(-1, 6), _F(1, 6), _F(-1, 6)],
+         [_F(1, 24), _F(1, 12), _F(1, 6)], [_F(1, 24), _F(-1, 12), _F(1, 6)], [0, 0, 1]],
+        [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]]),
+}
+TILE_ANNOTATION = "tightfit.winograd_tile"
+
+
+def combine(coefficients: list, values: list):
+    """sum(c * v), spelled out with the zero terms left out and +-1 as additions."""
+    total = None
+    for coefficient, value in zip(coefficients, values):
+        if coefficient == 0:
+            continue
+        scale = abs(coefficient)
+        term = value if scale == 1 else value * tirx.const(float(scale), "float32")
+        if total is None:
+            total = term if coefficient > 0 else -term
+        else:
+            total = total + term if coefficient > 0 else total - term
+    return total
+
+
+def sandwich(left: list[list], values: list[list], right: list[list]) -> list[list]:
+    """left . values . right^T as expressions: each row of `left`, then each of `right`."""
+    columns = len(values[0])
+    partial = [[combine(row, [values[i][j] for i in range(len(values))]) for j in range(columns)]
+               for row in left]
+    return [[combine(row, partial[a]) for row in right] for a in range(len(left))]
+
+
+def select_by_index(index, expressions: list):
+    """expressions[index]; a single expression once the loop over `index` is unrolled."""
+    value = expressions[-1]
+    for position in range(len(expressions) - 2, -1, -1):
+        value = tirx.Select(index == position, expressions[position], value)
+    return value
+
+
+def tile_counts(out_h, out_w, tile: int):
+    return (out_h + tile - 1) // tile, (out_w + tile - 1) // tile
+
+
+def tile_count(out_shape, tile: int):
+    """The tiles of an NCHW output: the GEMMs' row extent."""
+    batch, _, out_h, out_w = out_shape
+    tiles_h, tiles_w = tile_counts(out_h, out_w, tile)
+    return batch * tiles_h * tiles_w
+
+
+def winograd_weight(weight: te.Tensor, tile: int, panel_width: int) -> te.Tensor:
+    """OIHW 3x3 -> [alpha^2, ceil(O / NB), I, NB]: G g G^T per output/input channel pair, output
+    channels zero-padded to whole panels (the dense kernel's packed layout, one per point)."""
+    out_channels, in_channels, _, _ = (int(d) for d in weight.shape)
+    _, g_matrix, _ = MATRICES[tile]
+    alpha = tile + 2
+    panels = -(-out_channels // panel_width)
+    def transformed(point, panel, c, lane):
+        o = panel * panel_width + lane
+        taps = [[weight[tirx.min(o, out_channels - 1), c, i, j] for j in range(3)] for i in range(3)]
+        points = sandwich(g_matrix, taps, g_matrix)
+        value = select_by_index(point, [value for values in points for value in values])
+        return tirx.if_then_else(o < out_channels, value, tirx.const(0, weight.dtype))
+
+    return te.compute((alpha * alpha, panels, in_channels, panel_width), transformed,
+                      name="winograd_weight")
+
+
+def winograd_input(data: te.Tensor, tile: int, padding) -> te.Tensor:
+    """V[point, tile, c] = (B^T d B)[point] for every input tile d (tiles numbered n, row, col).
+
+    The input is first copied channels-last and zero-padded to whole tiles, so each of the
+    alpha x alpha reads of a tile is a contiguous vector of channels."""
+    batch, channels, height, width = data.shape
+    top, left, bottom, right = padding
+    alpha = tile + 2
+    b_transpose, _, _ = MATRICES[tile]
+    tiles_h, tiles_w = tile_counts(height + top + bottom - 2, width + left + right - 2, tile)
+
+    def pad_value(n, h, w, c):
+        inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
+        return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
+
+    packed = te.compute((batch, tiles_h * tile + 2, tiles_w * tile + 2, channels), pad_value,
+                        name="winograd_input_nhwc", attrs={STAGE_ANNOTATION: "packed_input"})
+
+    def transformed(point, t, c):
+        n, row, column = t // (tiles_h * tiles_w), t // tiles_w % tiles_h, t % tiles_w
+        tile_in = [[packed[n, row * tile + i, column * tile + j, c] for j in range(alpha)]
+                   for i in range(alpha)]
+        points = sandwich(b_transpose, tile_in, b_transpose)
+        return select_by_index(point, [value for values in points for value in values])
+
+    return te.compute((alpha * alpha, batch * tiles_h * tiles_w, channels), transformed,
+                      name="winograd_input_tiles",
+                      attrs={KERNEL_ANNOTATION: WINOGRAD_INPUT, ROWS_ANNOTATION: 1,
+                             TILE_ANNOTATION: tile})
+
+
+def winograd_output(gemm: te.Tensor, out_shape, tile: int) -> te.Tensor:
+    """Y[n, k, h, w] = (A^T M A) of the tile holding (h, w), from M[point, tile, k]."""
+    batch, out_channels, out_h, out_w = out_shape
+    alpha = tile + 2
+    _, _, a_transpose = MATRICES[tile]
+    tiles_h, tiles_w = tile_counts(out_h, out_w, tile)
+
+    def tile_value(n, row, column, a, b, k):
+        t = (n * tiles_h + row) * tiles_w + column
+        products = [[gemm[xi * alpha + nu, t, k] for nu in range(alpha)] for xi in range(alpha)]
+        outputs = sandwich(a_transpose, products, a_transpose)
+        return select_by_index(a * tile + b, [value for values in outputs for value in values])
+
+    tiles = te.compute((batch, tiles_h, tiles_w, tile, tile, out_channels), tile_value,
+                       name="winograd_output_tiles",
+                       attrs={KERNEL_ANNOTATION: WINOGRAD_OUTPUT, ROWS_ANNOTATION: 1,
+                              TILE_ANNOTATION: tile})
+    # The clamps are no-ops (h < out_h), but without them TVM cannot prove that the reads stay
+    # inside the tiles (a symbolic out_h might be negative) and refuses to schedule the pair.
+    return te.compute(
+        (batch, out_channels, out_h, out_w),
+        lambda n, k, h, w: tiles[n, tirx.min(h // tile, tiles_h - 1),
+                                 tirx.min(w // tile, tiles_w - 1), h % tile, w % tile, k],
+        name="winograd_out")
+
+
+def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, parallel: bool) -> None:
+    """parallel for tile: for channel vector: all alpha^2 points of the tile, unrolled (their
+    sums share the alpha^2 loads of the channels-last input)."""
+    point, t, c = sch.get_loops(tiles)
+    c_outer, c_lane = _split_lanes(sch, c, isa)
+    sch.reorder(t, c_outer, point, *([c_lane] if c_lane is not None else []))
+    sch.unroll(point)
+    if c_lane is not None:
+        sch.vectorize(c_lane)
+    if parallel:
+        sch.parallel(t)
+
+
+def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, isa: VectorISA,
+                              parallel: bool) -> None:
+    """parallel for (image, tile row, tile column): for output-channel vector, output row a of
+    the tile: its m outputs per channel from the alpha^2 products (vector loads along the
+    channels), then written to NCHW with the epilogue (stores strided by the image size)."""
+    n, k, h, w = sch.get_loops(out_block)
+    row, a = sch.split(h, [None, tile])
+    column, b = sch.split(w, [None, tile])
+    k_outer, k_lane = _split_lanes(sch, k, isa)
+    sch.reorder(n, row, column, k_outer, a, b, *([k_lane] if k_lane is not None else []))
+    sch.compute_at(tiles, a)
+    *_, tile_b, tile_k = sch.get_loops(tiles)
+    sch.unroll(tile_b)
+    sch.unroll(b)
+    if k_lane is not None:
+        sch.vectorize(tile_k)
+        sch.vectorize(k_lane)
+    fused = sch.fuse(n, row, column)
+    if parallel:
+        sch.parallel(fused)
+
+
+def _split_lanes(sch: s_tir.Schedule, loop, isa: VectorISA):
+    """(outer, vector lanes) when the loop is a whole number of vectors, else (loop, None)."""
+    extent = sch.get(loop).extent
+    if isinstance(extent, tirx.IntImm) and extent.value % isa.lanes == 0:
+        outer, lane = sch.split(loop, [None, isa.lanes])
+        return outer, lane
+    return loop, None
