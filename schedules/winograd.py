@@ -110,7 +110,8 @@ def winograd_weight(weight: te.Tensor, tile: int, panel_width: int) -> te.Tensor
 
 
 def winograd_input(data: te.Tensor, tile: int, padding) -> te.Tensor:
-    """V[point, tile, c] = (B^T d B)[point] for every input tile d (tiles numbered n, row, col).
+    """V[xi * alpha + nu, tile, c] = (B^T d B)[xi, nu] for every input tile d (tiles numbered n, row,
+    col), in two passes (B^T d, then . B) that share their partial sums.
 
     The input is first copied channels-last and zero-padded to whole tiles, so each of the
     alpha x alpha reads of a tile is a contiguous vector of channels."""
@@ -127,31 +128,44 @@ def winograd_input(data: te.Tensor, tile: int, padding) -> te.Tensor:
     packed = te.compute((batch, tiles_h * tile + 2, tiles_w * tile + 2, channels), pad_value,
                         name="winograd_input_nhwc", attrs={STAGE_ANNOTATION: "packed_input"})
 
-    def transformed(point, t, c):
+    def rows_transformed(xi, j, t, c):  # (B^T d)[xi, j]
         n, row, column = t // (tiles_h * tiles_w), t // tiles_w % tiles_h, t % tiles_w
-        tile_in = [[packed[n, row * tile + i, column * tile + j, c] for j in range(alpha)]
-                   for i in range(alpha)]
-        points = sandwich(b_transpose, tile_in, b_transpose)
-        return select_by_index(point, [value for values in points for value in values])
+        column_in = [packed[n, row * tile + i, column * tile + j, c] for i in range(alpha)]
+        return select_by_index(xi, [combine(b_row, column_in) for b_row in b_transpose])
 
-    return te.compute((alpha * alpha, batch * tiles_h * tiles_w, channels), transformed,
-                      name="winograd_input_tiles",
+    tiles = batch * tiles_h * tiles_w
+    partial = te.compute((alpha, alpha, tiles, channels), rows_transformed,
+                         name="winograd_input_rows", attrs={STAGE_ANNOTATION: "transform_rows"})
+
+    def transformed(point, t, c):  # (B^T d B)[xi, nu]
+        row_values = [partial[point // alpha, j, t, c] for j in range(alpha)]
+        return select_by_index(point % alpha, [combine(b_row, row_values) for b_row in b_transpose])
+
+    return te.compute((alpha * alpha, tiles, channels), transformed, name="winograd_input_tiles",
                       attrs={KERNEL_ANNOTATION: WINOGRAD_INPUT, ROWS_ANNOTATION: 1,
                              TILE_ANNOTATION: tile})
 
 
 def winograd_output(gemm: te.Tensor, out_shape, tile: int) -> te.Tensor:
-    """Y[n, k, h, w] = (A^T M A) of the tile holding (h, w), from M[point, tile, k]."""
+    """Y[n, k, h, w] = (A^T M A) of the tile holding (h, w), from M[point, tile, k], in two
+    passes (A^T M, then . A)."""
     batch, out_channels, out_h, out_w = out_shape
     alpha = tile + 2
     _, _, a_transpose = MATRICES[tile]
     tiles_h, tiles_w = tile_counts(out_h, out_w, tile)
 
-    def tile_value(n, row, column, a, b, k):
+    def columns_transformed(a, nu, t, k):  # (A^T M)[a, nu]
+        column_values = [gemm[xi * alpha + nu, t, k] for xi in range(alpha)]
+        return select_by_index(a, [combine(a_row, column_values) for a_row in a_transpose])
+
+    partial = te.compute((tile, alpha, batch * tiles_h * tiles_w, out_channels),
+                         columns_transformed, name="winograd_output_rows",
+                         attrs={STAGE_ANNOTATION: "transform_rows"})
+
+    def tile_value(n, row, column, a, b, k):  # (A^T M A)[a, b]
         t = (n * tiles_h + row) * tiles_w + column
-        products = [[gemm[xi * alpha + nu, t, k] for nu in range(alpha)] for xi in range(alpha)]
-        outputs = sandwich(a_transpose, products, a_transpose)
-        return select_by_index(a * tile + b, [value for values in outputs for value in values])
+        row_values = [partial[a, nu, t, k] for nu in range(alpha)]
+        return select_by_index(b, [combine(a_row, row_values) for a_row in a_transpose])
 
     tiles = te.compute((batch, tiles_h, tiles_w, tile, tile, out_channels), tile_value,
                        name="winograd_output_tiles",
@@ -167,12 +181,18 @@ def winograd_output(gemm: te.Tensor, out_shape, tile: int) -> te.Tensor:
 
 
 def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, parallel: bool) -> None:
-    """parallel for tile: for channel vector: all alpha^2 points of the tile, unrolled (their
-    sums share the alpha^2 loads of the channels-last input)."""
+    """parallel for tile: for channel vector, xi: the alpha partial sums B^T d of row xi (a
+    small stack array), then the alpha points (xi, nu); all unrolled, vectorized over channels."""
     point, t, c = sch.get_loops(tiles)
+    alpha = _transform_rows_extent(sch, tiles)
+    xi, nu = sch.split(point, [alpha, alpha])
     c_outer, c_lane = _split_lanes(sch, c, isa)
-    sch.reorder(t, c_outer, point, *([c_lane] if c_lane is not None else []))
-    sch.unroll(point)
+    sch.reorder(t, c_outer, xi, nu, *([c_lane] if c_lane is not None else []))
+    partial = _transform_rows(sch, tiles)
+    sch.compute_at(partial, xi)
+    _unroll_and_vectorize(sch, partial, c_lane is not None)
+    sch.unroll(xi)
+    sch.unroll(nu)
     if c_lane is not None:
         sch.vectorize(c_lane)
     if parallel:
@@ -182,23 +202,41 @@ def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, paralle
 def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, isa: VectorISA,
                               parallel: bool) -> None:
     """parallel for (image, tile row, tile column): for output-channel vector, output row a of
-    the tile: its m outputs per channel from the alpha^2 products (vector loads along the
-    channels), then written to NCHW with the epilogue (stores strided by the image size)."""
+    the tile: the alpha partial sums A^T M of row a, its m outputs per channel, then the write
+    to NCHW with the epilogue (stores strided by the image size)."""
     n, k, h, w = sch.get_loops(out_block)
     row, a = sch.split(h, [None, tile])
     column, b = sch.split(w, [None, tile])
     k_outer, k_lane = _split_lanes(sch, k, isa)
     sch.reorder(n, row, column, k_outer, a, b, *([k_lane] if k_lane is not None else []))
     sch.compute_at(tiles, a)
-    *_, tile_b, tile_k = sch.get_loops(tiles)
-    sch.unroll(tile_b)
+    sch.compute_at(_transform_rows(sch, tiles), a)
+    for block in (tiles, _transform_rows(sch, tiles)):
+        _unroll_and_vectorize(sch, block, k_lane is not None)
     sch.unroll(b)
     if k_lane is not None:
-        sch.vectorize(tile_k)
         sch.vectorize(k_lane)
     fused = sch.fuse(n, row, column)
     if parallel:
         sch.parallel(fused)
+
+
+def _transform_rows_extent(sch: s_tir.Schedule, tiles) -> int:
+    return int(sch.get(_transform_rows(sch, tiles)).writes[0].source.shape[0])
+
+
+def _transform_rows(sch: s_tir.Schedule, tiles):
+    return next(block for block in sch.get_producers(tiles)
+                if sch.get(block).name_hint.endswith("_rows"))
+
+
+def _unroll_and_vectorize(sch: s_tir.Schedule, block, vectorize: bool) -> None:
+    """A computed-at stage: its last loop is the vector lanes, the ones above it unrolled."""
+    *outer, lane = sch.get_loops(block)[-2:]
+    for loop in outer:
+        sch.unroll(loop)
+    if vectorize:
+        sch.vectorize(lane)
 
 
 def _split_lanes(sch: s_tir.Schedule, loop, isa: VectorISA):
