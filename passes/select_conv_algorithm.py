@@ -96,8 +96,7 @@ class _ConvRewriter(relax.PyExprMutator):
         """Cost the candidates of the conv2d `call`, emit the cheapest; `source_weight` names the
         packed weight in the weight file."""
         shape = ConvShape.from_call(call, self.typical)
-        winograd = self.algorithms is not None and bool(set(self.algorithms) & set(WINOGRAD_TILES))
-        costs = [c for c in candidate_costs(shape, self.isa, self.rates, winograd=winograd)
+        costs = [c for c in candidate_costs(shape, self.isa, self.rates)
                  if self.algorithms is None or c.name in self.algorithms or c.name == "depthwise"]
         chosen = choose(costs, self.max_workspace_bytes)
         return self._emit(chosen.name, call, data, weight, costs, name, source_weight)

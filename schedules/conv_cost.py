@@ -7,7 +7,8 @@ cost, measured on real machines. Here each term is in seconds:
     multiply-adds / macs_per_second(kernel)
   + bytes moved by the packing and transform stages / bytes_per_second
   + transform arithmetic / transform_flops_per_second
-with the three rates read from the knob database's "rates" where recorded (the knob search,
+(Winograd's transforms and extra kernels are costed instead in multiply-add equivalents measured
+against the width kernel, WINOGRAD_* below), with the three rates read from the knob database's "rates" where recorded (the knob search,
 knob_search.py, does not measure them yet: it records tiles and the parallel threshold), else
 the defaults below: 60% of the vector unit's FMA peak
 at 3 GHz on the target's cores for the register-tile GEMM, a quarter of that for the
@@ -22,6 +23,7 @@ that fits L2 and one that does not cost the same per multiply-add).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import tvm
@@ -40,6 +42,16 @@ DEFAULT_GEMM_EFFICIENCY = 0.6
 KERNEL_EFFICIENCY = {"direct": 0.55, "width_vectors": 1.0}
 DEFAULT_BYTES_PER_SECOND = 10e9
 WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
+# Winograd against the width kernel, measured on this host (AVX-512, 2 threads; ResNet-50's
+# 64 -> 64 layer at 56x56, a 32 -> 32 one at 16x16 and resnet_style's 16 -> 16 at 32x32,
+# kernel times from `--profile`): the per-point GEMMs run at 1.45x the width kernel's
+# multiply-add rate with 64 input channels (258 against 177 GMAC/s: the reduction is the input
+# channels), ~1.0x with 32 and about half with 16 (interpolated in log2 of the channels); a
+# value through the input or the output transform costs ~100 ps (~18 of the width kernel's
+# multiply-adds); each extra kernel ~2 us of thread-pool launch and VM call (~350k).
+WINOGRAD_GEMM_EFFICIENCY = {16: 0.55, 32: 1.0, 64: 1.45}
+WINOGRAD_MACS_PER_TRANSFORMED_VALUE = 18
+KERNEL_LAUNCH_MACS = 350_000
 
 
 @dataclass(frozen=True)
@@ -110,9 +122,10 @@ def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates,
                     winograd: bool = True) -> list[Candidate]:
     if shape.is_depthwise:
         return [_depthwise(shape, rates)]
-    candidates = [_direct(shape, isa, rates), _width_vectors(shape, isa, rates)]
+    width = _width_vectors(shape, isa, rates)
+    candidates = [_direct(shape, isa, rates), width]
     if winograd and is_winograd_eligible(shape):
-        candidates += [_winograd(shape, isa, rates, name) for name in WINOGRAD_TILES]
+        candidates += [_winograd(shape, isa, width, name) for name in WINOGRAD_TILES]
     return candidates
 
 
@@ -187,8 +200,11 @@ def _depthwise(shape: ConvShape, rates: Rates) -> Candidate:
                      shape.channels * kh * kw * BYTES_PER_FLOAT)
 
 
-def _winograd(shape: ConvShape, isa: VectorISA, rates: Rates, name: str) -> Candidate:
-    """F(m x m, 3 x 3): alpha = m + 2 points per side, one batched GEMM per point."""
+def _winograd(shape: ConvShape, isa: VectorISA, width: Candidate, name: str) -> Candidate:
+    """F(m x m, 3 x 3) (winograd.py): alpha = m + 2 points per side, one GEMM per point, the
+    transforms costed per transformed value and the two kernels it runs beyond a direct conv's
+    one, all in the width kernel's multiply-adds (WINOGRAD_*, measured against that kernel's
+    whole time, packing included), so at the width candidate's seconds per multiply-add."""
     tile = WINOGRAD_TILES[name]
     alpha = tile + 2
     out_h, out_w = shape.out_hw
@@ -197,16 +213,25 @@ def _winograd(shape: ConvShape, isa: VectorISA, rates: Rates, name: str) -> Cand
     macs = alpha * alpha * tiles * shape.channels * out_channels
     transformed_input = alpha * alpha * tiles * shape.channels
     gemm_result = alpha * alpha * tiles * out_channels
-    # B^T d B and A^T M A as two small matrix products per tile and channel.
-    transform_flops = (tiles * shape.channels * 2 * (2 * alpha * alpha * alpha)
-                       + tiles * out_channels * 2 * (tile * alpha * alpha + tile * tile * alpha))
-    moved = (shape.batch * shape.channels * shape.height * shape.width
-             + 2 * transformed_input + 2 * gemm_result) * BYTES_PER_FLOAT
-    seconds = (macs / rates.macs_per_second + moved / rates.bytes_per_second
-               + transform_flops / rates.transform_flops_per_second)
+    equivalent_macs = (macs / _winograd_gemm_efficiency(shape.channels)
+                       + (transformed_input + gemm_result) * WINOGRAD_MACS_PER_TRANSFORMED_VALUE
+                       + 2 * KERNEL_LAUNCH_MACS)
+    seconds = equivalent_macs * width.seconds / width.macs
     workspace = (transformed_input + gemm_result) * BYTES_PER_FLOAT
     weights = alpha * alpha * shape.channels * out_channels * BYTES_PER_FLOAT
     return Candidate(name, seconds, macs, workspace, weights)
+
+
+def _winograd_gemm_efficiency(channels: int) -> float:
+    """WINOGRAD_GEMM_EFFICIENCY at `channels`, linear in log2 between the measured points."""
+    points = sorted(WINOGRAD_GEMM_EFFICIENCY.items())
+    if channels <= points[0][0]:
+        return points[0][1]
+    for (low, low_value), (high, high_value) in zip(points, points[1:]):
+        if channels <= high:
+            share = math.log2(channels / low) / math.log2(high / low)
+            return low_value + share * (high_value - low_value)
+    return points[-1][1]
 
 
 def _typical(dim, typical: dict) -> int:

@@ -19,6 +19,7 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.passes.select_conv_algorithm import CONV_PANEL_WIDTH
+from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
 from tightfit.schedules.register_tile import default_tile_knobs
@@ -185,3 +186,17 @@ def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
     assert "T.vectorized(T.int64(4))" in scheduled.script()
     assert "T.vectorized(T.int64(16))" not in scheduled.script()
     assert tightfit.compile(model, target=ARM64).executable is not None
+
+
+@pytest.mark.parametrize("algorithm", ["winograd_f2", "winograd_f4"])
+@pytest.mark.parametrize("channels, out_channels", [(4, 17), (16, 32)])
+def test_winograd_versions_match_onnxruntime_at_tile_edges(knob_database, algorithm, channels,
+                                                           out_channels):
+    """Output widths on and around whole Winograd tiles (the last tile partly outside the
+    image), the height 5 leaving a partial tile row; transforms vectorized over the channels
+    (16 in, 32 out) and not (4 in, 17 out); bias and ReLU fused into the output transform."""
+    tile = WINOGRAD_TILES[algorithm]
+    widths = sorted({1, tile - 1, tile, tile + 1, 3 * tile + 2})
+    assert_matches_onnxruntime(conv_model(channels, out_channels, groups=1), "winograd",
+                               knob_database, lambda w: {"x": _normal(1, channels, 5, w)}, widths,
+                               conv_algorithms=(algorithm,))

@@ -1,0 +1,50 @@
+"""Winograd F(m x m, 3 x 3): the transform matrices, and where the cost model uses them."""
+
+import numpy as np
+import pytest
+
+from tightfit.schedules.conv_cost import ConvShape, Rates, candidate_costs, choose
+from tightfit.schedules.isa import AVX512
+from tightfit.schedules.winograd import MATRICES
+
+
+def as_array(matrix) -> np.ndarray:
+    return np.array([[float(entry) for entry in row] for row in matrix])
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+@pytest.mark.parametrize("seed", range(5))
+def test_transforms_compute_a_3x3_correlation(tile, seed):
+    """A^T [(G g G^T) (.) (B^T d B)] A is the m x m valid correlation of d with g."""
+    b_transpose, g_matrix, a_transpose = (as_array(m) for m in MATRICES[tile])
+    rng = np.random.default_rng(seed)
+    alpha = tile + 2
+    d, g = rng.standard_normal((alpha, alpha)), rng.standard_normal((3, 3))
+    products = (g_matrix @ g @ g_matrix.T) * (b_transpose @ d @ b_transpose.T)
+    expected = np.array([[np.sum(d[i:i + 3, j:j + 3] * g) for j in range(tile)]
+                         for i in range(tile)])
+    np.testing.assert_allclose(a_transpose @ products @ a_transpose.T, expected, atol=1e-9)
+
+
+def conv(batch, channels, size, out_channels) -> ConvShape:
+    return ConvShape(batch, channels, size, size, out_channels, (3, 3), (1, 1), (1, 1),
+                     (1, 1, 1, 1), 1)
+
+
+@pytest.mark.parametrize("shape, expected", [
+    (conv(1, 64, 56, 64), "winograd_f4"),  # ResNet-50's layer: measured 232 us, width 662 us
+    (conv(1, 16, 32, 16), "width_vectors"),  # resnet_style's: the thin GEMMs lose
+    (conv(1, 3, 32, 16), "width_vectors"),  # a stem: almost nothing to save
+])
+def test_cost_model_uses_winograd_where_it_measured_faster(shape, expected):
+    costs = candidate_costs(shape, AVX512, Rates.for_target(AVX512, 2, None))
+    assert choose(costs, None).name == expected
+
+
+def test_winograd_workspace_counts_the_transformed_input_and_products():
+    """A memory budget sees what Winograd holds at run time (FlexNN's kernel choice)."""
+    shape = conv(1, 64, 56, 64)
+    costs = {c.name: c for c in candidate_costs(shape, AVX512, Rates.for_target(AVX512, 2, None))}
+    tiles = (56 // 4) ** 2
+    assert costs["winograd_f4"].workspace_bytes == 2 * 36 * tiles * 64 * 4
+    assert choose(list(costs.values()), max_workspace_bytes=1 << 20).name != "winograd_f4"
