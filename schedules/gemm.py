@@ -42,18 +42,18 @@ def pack_dense_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
 
 def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, rows: int,
                  vectors: int) -> te.Tensor:
-    """A[*batch, M, K] x packed W: [panels, K, NB] shared by the batch, or [*batch, panels, K,
-    NB], a weight per batch entry (Winograd's transform points, winograd.py)."""
+    """A[*batch, M, K] x packed W: [panels, K, NB] shared by the batch, or [*lead, panels, K,
+    NB], a weight per entry of the leading batch axes (Winograd's transform points,
+    winograd.py)."""
     *batch, row_extent, reduction = data.shape
     *weight_batch, panels, _, panel_width = (int(d) for d in packed_weight.shape)
-    assert not weight_batch or len(weight_batch) == len(batch), "a weight per batch entry or one"
+    assert len(weight_batch) <= len(batch), "a weight per entry of leading batch axes, or one"
     k = te.reduce_axis((0, reduction), "k")
 
     def tile_value(*index):
         *b, m, o = index
-        own = tuple(b) if weight_batch else ()
-        return te.sum(data[(*b, m, k)] * packed_weight[(*own, o // panel_width, k, o % panel_width)],
-                      axis=k)
+        weight_index = (*b[:len(weight_batch)], o // panel_width, k, o % panel_width)
+        return te.sum(data[(*b, m, k)] * packed_weight[weight_index], axis=k)
 
     return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, out_features,
                           DENSE, rows, vectors)

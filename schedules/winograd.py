@@ -11,8 +11,8 @@ so the multiply-adds become alpha^2 independent GEMMs over channels, one per tra
   dense kernel's panels, one weight matrix per point;
 - `winograd_input`: V[point, tile, c] = (B^T d_tile,c B)[point], the input read through a
   zero-padded channels-last copy so that the transform vectorizes over channels;
-- the GEMM: M[point, tile, k] = sum_c V[point, tile, c] U[point, k, c], gemm.dense_packed with a
-  weight per point, on register tiles (register_tile.py);
+- the GEMM: M[point, n, tile, k] = sum_c V[point, n, tile, c] U[point, k, c], gemm.dense_packed
+  with a weight per point, on register tiles (register_tile.py);
 - `winograd_output`: Y[n, k, tile rows, tile cols] = (A^T M_tile,k A), vectorized over output
   channels, with the conv's epilogue (bias, activation, residual) fused into its write-back.
 F(2x2, 3x3) cuts the multiply-adds 2.25x, F(4x4, 3x3) 4x; the transforms cost memory traffic and
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import tvm
 from tvm import s_tir, te, tirx
 
 from .isa import VectorISA
@@ -81,14 +82,19 @@ def select_by_index(index, expressions: list):
 
 
 def tile_counts(out_h, out_w, tile: int):
-    return (out_h + tile - 1) // tile, (out_w + tile - 1) // tile
+    """Tile rows and columns of an output (simplified: the kernels' shapes must agree)."""
+    analyzer = tvm.sym.Analyzer()
+    return (analyzer.simplify((out_h + tile - 1) // tile),
+            analyzer.simplify((out_w + tile - 1) // tile))
 
 
 def tile_count(out_shape, tile: int):
-    """The tiles of an NCHW output: the GEMMs' row extent."""
-    batch, _, out_h, out_w = out_shape
+    """The tiles of one image of an NCHW output: the GEMMs' row extent. (The images are a batch
+    axis of the GEMM, not part of its rows: a row extent like n x 196, a multiple of the
+    register tile's 7 rows, defeats TVM's region analysis in the register-tile schedule.)"""
+    _, _, out_h, out_w = out_shape
     tiles_h, tiles_w = tile_counts(out_h, out_w, tile)
-    return batch * tiles_h * tiles_w
+    return tvm.sym.Analyzer().simplify(tiles_h * tiles_w)
 
 
 def winograd_weight(weight: te.Tensor, tile: int, panel_width: int) -> te.Tensor:
@@ -100,7 +106,8 @@ def winograd_weight(weight: te.Tensor, tile: int, panel_width: int) -> te.Tensor
     panels = -(-out_channels // panel_width)
     def transformed(point, panel, c, lane):
         o = panel * panel_width + lane
-        taps = [[weight[tirx.min(o, out_channels - 1), c, i, j] for j in range(3)] for i in range(3)]
+        taps = [[weight[tirx.min(o, out_channels - 1), c, i, j] for j in range(3)]
+                for i in range(3)]
         points = sandwich(g_matrix, taps, g_matrix)
         value = select_by_index(point, [value for values in points for value in values])
         return tirx.if_then_else(o < out_channels, value, tirx.const(0, weight.dtype))
@@ -110,8 +117,9 @@ def winograd_weight(weight: te.Tensor, tile: int, panel_width: int) -> te.Tensor
 
 
 def winograd_input(data: te.Tensor, tile: int, padding) -> te.Tensor:
-    """V[xi * alpha + nu, tile, c] = (B^T d B)[xi, nu] for every input tile d (tiles numbered n, row,
-    col), in two passes (B^T d, then . B) that share their partial sums.
+    """V[xi * alpha + nu, n, tile, c] = (B^T d B)[xi, nu] for every input tile d of image n
+    (tiles numbered by row, then column), in two passes (B^T d, then . B) that share their
+    partial sums.
 
     The input is first copied channels-last and zero-padded to whole tiles, so each of the
     alpha x alpha reads of a tile is a contiguous vector of channels."""
@@ -128,43 +136,44 @@ def winograd_input(data: te.Tensor, tile: int, padding) -> te.Tensor:
     packed = te.compute((batch, tiles_h * tile + 2, tiles_w * tile + 2, channels), pad_value,
                         name="winograd_input_nhwc", attrs={STAGE_ANNOTATION: "packed_input"})
 
-    def rows_transformed(xi, j, t, c):  # (B^T d)[xi, j]
-        n, row, column = t // (tiles_h * tiles_w), t // tiles_w % tiles_h, t % tiles_w
+    def rows_transformed(xi, j, n, t, c):  # (B^T d)[xi, j]
+        row, column = t // tiles_w, t % tiles_w
         column_in = [packed[n, row * tile + i, column * tile + j, c] for i in range(alpha)]
         return select_by_index(xi, [combine(b_row, column_in) for b_row in b_transpose])
 
-    tiles = batch * tiles_h * tiles_w
-    partial = te.compute((alpha, alpha, tiles, channels), rows_transformed,
+    tiles = tvm.sym.Analyzer().simplify(tiles_h * tiles_w)
+    partial = te.compute((alpha, alpha, batch, tiles, channels), rows_transformed,
                          name="winograd_input_rows", attrs={STAGE_ANNOTATION: "transform_rows"})
 
-    def transformed(point, t, c):  # (B^T d B)[xi, nu]
-        row_values = [partial[point // alpha, j, t, c] for j in range(alpha)]
+    def transformed(point, n, t, c):  # (B^T d B)[xi, nu]
+        row_values = [partial[point // alpha, j, n, t, c] for j in range(alpha)]
         return select_by_index(point % alpha, [combine(b_row, row_values) for b_row in b_transpose])
 
-    return te.compute((alpha * alpha, tiles, channels), transformed, name="winograd_input_tiles",
+    return te.compute((alpha * alpha, batch, tiles, channels), transformed,
+                      name="winograd_input_tiles",
                       attrs={KERNEL_ANNOTATION: WINOGRAD_INPUT, ROWS_ANNOTATION: 1,
                              TILE_ANNOTATION: tile})
 
 
 def winograd_output(gemm: te.Tensor, out_shape, tile: int) -> te.Tensor:
-    """Y[n, k, h, w] = (A^T M A) of the tile holding (h, w), from M[point, tile, k], in two
+    """Y[n, k, h, w] = (A^T M A) of the tile holding (h, w), from M[point, n, tile, k], in two
     passes (A^T M, then . A)."""
     batch, out_channels, out_h, out_w = out_shape
     alpha = tile + 2
     _, _, a_transpose = MATRICES[tile]
     tiles_h, tiles_w = tile_counts(out_h, out_w, tile)
 
-    def columns_transformed(a, nu, t, k):  # (A^T M)[a, nu]
-        column_values = [gemm[xi * alpha + nu, t, k] for xi in range(alpha)]
+    def columns_transformed(a, nu, n, t, k):  # (A^T M)[a, nu]
+        column_values = [gemm[xi * alpha + nu, n, t, k] for xi in range(alpha)]
         return select_by_index(a, [combine(a_row, column_values) for a_row in a_transpose])
 
-    partial = te.compute((tile, alpha, batch * tiles_h * tiles_w, out_channels),
+    partial = te.compute((tile, alpha, batch, tile_count(out_shape, tile), out_channels),
                          columns_transformed, name="winograd_output_rows",
                          attrs={STAGE_ANNOTATION: "transform_rows"})
 
     def tile_value(n, row, column, a, b, k):  # (A^T M A)[a, b]
-        t = (n * tiles_h + row) * tiles_w + column
-        row_values = [partial[a, nu, t, k] for nu in range(alpha)]
+        t = row * tiles_w + column
+        row_values = [partial[a, nu, n, t, k] for nu in range(alpha)]
         return select_by_index(b, [combine(a_row, row_values) for a_row in a_transpose])
 
     tiles = te.compute((batch, tiles_h, tiles_w, tile, tile, out_channels), tile_value,
@@ -183,11 +192,11 @@ def winograd_output(gemm: te.Tensor, out_shape, tile: int) -> te.Tensor:
 def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, parallel: bool) -> None:
     """parallel for tile: for channel vector, xi: the alpha partial sums B^T d of row xi (a
     small stack array), then the alpha points (xi, nu); all unrolled, vectorized over channels."""
-    point, t, c = sch.get_loops(tiles)
+    point, n, t, c = sch.get_loops(tiles)
     alpha = _transform_rows_extent(sch, tiles)
     xi, nu = sch.split(point, [alpha, alpha])
     c_outer, c_lane = _split_lanes(sch, c, isa)
-    sch.reorder(t, c_outer, xi, nu, *([c_lane] if c_lane is not None else []))
+    sch.reorder(n, t, c_outer, xi, nu, *([c_lane] if c_lane is not None else []))
     partial = _transform_rows(sch, tiles)
     sch.compute_at(partial, xi)
     _unroll_and_vectorize(sch, partial, c_lane is not None)
@@ -195,8 +204,9 @@ def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, paralle
     sch.unroll(nu)
     if c_lane is not None:
         sch.vectorize(c_lane)
+    image_tile = sch.fuse(n, t)
     if parallel:
-        sch.parallel(t)
+        sch.parallel(image_tile)
 
 
 def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, isa: VectorISA,
