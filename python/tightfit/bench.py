@@ -40,7 +40,7 @@ from .feeds import max_abs_error, random_feeds
 from .frontend import TensorSpec, declared_inputs, load_onnx
 
 ENGINES = ("tightfit", "onnxruntime", "tvm-default")
-ROUNDS = 4
+ROUNDS = 8
 PAUSE_BETWEEN_ENGINES_S = 0.1
 
 
