@@ -13,6 +13,7 @@ import time
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
 from tightfit.device_rpc import emulated
@@ -42,13 +43,36 @@ def test_zoo_model_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm64
         package.session()  # an aarch64 library: not for this machine
     session = package.remote_session(str(tracker), arm64_device)
     # one package serves every shape, on the device too; 16 x 6 makes the second conv's output
-    # narrower than a NEON vector (its masked-store version)
+    # narrower than a NEON vector (the kernel's narrow version)
     for shapes in [*entry.shape_sets[:2], {"image": (1, 3, 16, 6)}]:
         feeds = {name: np.random.default_rng(0).standard_normal(shape).astype(np.float32)
                  for name, shape in shapes.items()}
         outputs = session.run(feeds)
         assert max_abs_error(outputs, run_onnxruntime(model, feeds)) < 1e-4
     assert len(session.time_run(feeds, repeat=2)) == 2
+
+
+@pytest.mark.parametrize("algorithm", ["winograd_f2", "winograd_f4"])
+def test_winograd_conv_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm64_device,
+                                                                      algorithm):
+    """Winograd's transforms vectorize over channels in NEON's 4 lanes; 9 x 11 leaves partial
+    tiles at the bottom and the right."""
+    rng = np.random.default_rng(3)
+    weight = numpy_helper.from_array((rng.standard_normal((32, 16, 3, 3)) * 0.2)
+                                     .astype(np.float32), "w")
+    bias = numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1] * 4),
+         helper.make_node("Relu", ["c"], ["y"])], "winograd_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, "h", "w"])],
+        [weight, bias])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = tightfit.PipelineOptions(conv_algorithms=(algorithm,))
+    session = tightfit.compile(model, "emulated-arm64", options=options).remote_session(
+        str(tracker), arm64_device)
+    feeds = {"x": rng.standard_normal((1, 16, 9, 11)).astype(np.float32)}
+    assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
 def _tune_command(model_path, tracker, database, trials):
