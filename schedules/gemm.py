@@ -22,6 +22,7 @@ from .register_tile import (
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
 )
+from .tail_tiles import tile_domain
 
 DENSE = "dense_packed"
 MATMUL = "matmul_packed_rhs"
@@ -87,7 +88,7 @@ def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
 
 def _tiles_and_out(tile_value, batch, row_extent, padded_columns, columns, kind: str, rows: int,
                    vectors: int) -> te.Tensor:
-    tiles = te.compute((*batch, tirx.max(row_extent, rows), padded_columns), tile_value,
+    tiles = te.compute((*batch, tile_domain(row_extent, rows), padded_columns), tile_value,
                        name=f"{kind}_tiles",
                        attrs={KERNEL_ANNOTATION: kind, ROWS_ANNOTATION: rows,
                               VECTORS_ANNOTATION: vectors,

@@ -24,6 +24,21 @@ import tvm
 from tvm import s_tir, tirx
 
 
+def tile_domain(extent, tile: int):
+    """The tiles' row domain, max(extent, tile). For an extent that is a symbolic multiple of a
+    factor of the tile (n x 14 with 7-row tiles, n x 10 with 6), TVM 0.27 simplifies the split
+    of `max` into a form its region-cover check cannot relate to the write-back's rows, and the
+    schedule fails; there the domain is written as a select, which keeps the split bounds
+    checked (not everywhere: a select also hides the tile's offset from buffer compaction)."""
+    if isinstance(extent, (int, tirx.IntImm)):
+        return max(int(extent), tile)
+    analyzer = tvm.sym.Analyzer()
+    if any(tile % factor == 0 and analyzer.can_prove(tirx.floormod(extent, factor) == 0)
+           for factor in range(2, tile + 1)):
+        return tirx.Select(extent >= tile, extent, tirx.const(tile, extent.ty.dtype))
+    return tirx.max(extent, tile)
+
+
 def shift_tail_tile(func: tirx.PrimFunc, row_iters: dict[str, int], tile: int,
                     extent, keep_checks: frozenset[str] = frozenset()) -> tirx.PrimFunc:
     """Rebind the row iterator of each block in `row_iters` (block name -> iterator index) to

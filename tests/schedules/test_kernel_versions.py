@@ -200,3 +200,18 @@ def test_winograd_versions_match_onnxruntime_at_tile_edges(knob_database, algori
     assert_matches_onnxruntime(conv_model(channels, out_channels, groups=1), "winograd",
                                knob_database, lambda w: {"x": _normal(1, channels, 5, w)}, widths,
                                conv_algorithms=(algorithm,))
+
+
+def test_dense_whose_rows_are_a_symbolic_multiple_of_the_tile_rows(knob_database):
+    """x[n, 14, 8] flattened to (n x 14) rows, times 32 columns (7-row tiles here): a row extent
+    that TVM's region check could not relate to the tiles' split (tail_tiles.tile_domain)."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Reshape", ["x", "rows"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "w", "b"], ["y"])]
+    model = _model("flattened_dense", nodes,
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 14, 8])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 32])],
+                   [numpy_helper.from_array(np.array([-1, 8], np.int64), "rows"),
+                    _weight(rng, "w", (8, 32)), _weight(rng, "b", (32,))])
+    assert_matches_onnxruntime(model, "dense_packed", knob_database,
+                               lambda n: {"x": _normal(n, 14, 8)}, [1, 2, 3])
