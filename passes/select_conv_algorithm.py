@@ -145,7 +145,6 @@ class _ConvRewriter(relax.PyExprMutator):
                            padding=padding, dilation=dilation, rows=knobs.rows,
                            vectors=knobs.vectors)
 
-
     def _emit_winograd(self, tile, call, data, weight, record, name, source_weight):
         """Weights transformed offline, then input transform, GEMM per point, output transform
         (which FuseOps gives the conv's epilogue)."""

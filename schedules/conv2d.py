@@ -89,17 +89,12 @@ def conv2d_direct(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, 
     packed_w = (tile_w - 1) * stride_w + (kernel_w - 1) * dil_w + 1
     packed_h = height + top + bottom
 
-    def pad_value(n, h, w, c):
-        inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
-        return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
-
     if is_pointwise(kernel_h, kernel_w, strides, padding):
         def input_pixel(n, h, w, c):
             return data[n, c, h, w]
     else:
-        packed_input = te.compute((batch, packed_h, packed_w, channels), pad_value,
-                                  name="conv2d_input_nhwc",
-                                  attrs={STAGE_ANNOTATION: "packed_input"})
+        packed_input = pack_input_channels_last(data, padding, packed_h, packed_w,
+                                                "conv2d_input_nhwc")
 
         def input_pixel(n, h, w, c):
             return packed_input[n, h, w, c]
@@ -257,17 +252,37 @@ def pack_input_phases(data: te.Tensor, tile_w, kernel_w: int, strides, padding, 
     to hold (more than the padded input's, the rest zeros)."""
     batch, channels, height, width = data.shape
     stride_w, dil_w = strides[1], dilation[1]
-    top, left, bottom, right = padding
+    top, _, bottom, _ = padding
     phase_w = tile_w + ((kernel_w - 1) * dil_w) // stride_w
     rows = height + top + bottom if rows is None else tirx.max(height + top + bottom, rows)
 
-    def pad_value(n, c, h, phase, j):
-        w = j * stride_w + phase
+    padded = zero_padded(data, padding)
+    return te.compute((batch, channels, rows, stride_w, phase_w),
+                      lambda n, c, h, phase, j: padded(n, c, h, j * stride_w + phase),
+                      name=name, attrs={STAGE_ANNOTATION: "packed_input"})
+
+
+def pack_input_channels_last(data: te.Tensor, padding, packed_h, packed_w, name: str) -> te.Tensor:
+    """The zero-padded input channels-last, [N, packed_h, packed_w, C] (at least the padded
+    image; the rest zeros), so a vector of channels is one contiguous load."""
+    batch, channels, _, _ = data.shape
+    padded = zero_padded(data, padding)
+    return te.compute((batch, packed_h, packed_w, channels),
+                      lambda n, h, w, c: padded(n, c, h, w),
+                      name=name, attrs={STAGE_ANNOTATION: "packed_input"})
+
+
+def zero_padded(data: te.Tensor, padding):
+    """(n, c, h, w) -> the input at padded row h, column w: data inside, 0 in the padding
+    (`padding` is (top, left, bottom, right)) and beyond."""
+    _, _, height, width = data.shape
+    top, left = padding[0], padding[1]
+
+    def value(n, c, h, w):
         inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
         return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
 
-    return te.compute((batch, channels, rows, stride_w, phase_w), pad_value,
-                      name=name, attrs={STAGE_ANNOTATION: "packed_input"})
+    return value
 
 
 def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,

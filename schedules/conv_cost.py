@@ -8,9 +8,9 @@ cost, measured on real machines. Here each term is in seconds:
   + bytes moved by the packing and transform stages / bytes_per_second
   + transform arithmetic / transform_flops_per_second
 (Winograd's transforms and extra kernels are costed instead in multiply-add equivalents measured
-against the width kernel, WINOGRAD_* below), with the three rates read from the knob database's "rates" where recorded (the knob search,
-knob_search.py, does not measure them yet: it records tiles and the parallel threshold), else
-the defaults below: 60% of the vector unit's FMA peak
+against the width kernel, WINOGRAD_* below), with the three rates read from the knob database's
+"rates" where recorded (the knob search, knob_search.py, does not measure them yet: it records
+tiles and the parallel threshold), else the defaults below: 60% of the vector unit's FMA peak
 at 3 GHz on the target's cores for the register-tile GEMM, a quarter of that for the
 transforms (short, shuffle-bound loops), 10 GB/s for memory. Zero padding of output channels to
 whole vector panels counts as work, because the kernels do it.

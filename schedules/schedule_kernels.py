@@ -6,8 +6,9 @@ knobs as block annotations (register_tile.py); FuseTIR keeps block annotations, 
 this pass finds the tiles block, inlines the fused elementwise epilogue into the kernel's
 write-back, schedules each shape bucket of dispatch.py, and joins the versions with an `if` on
 the run-time extent. Each row version comes serial and parallel where the kernel's work may
-fall below the parallel threshold (dispatch.parallel_buckets). PrimFuncs without a kernel block
-are left to the fallback schedule.
+fall below the parallel threshold (dispatch.parallel_buckets). Winograd's transform kernels
+have no register tiles, so only those two versions (winograd.py). PrimFuncs without a kernel
+block are left to the fallback schedule.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from fractions import Fraction
 import tvm
 from tvm import s_tir, te, tirx
 
+from .conv2d import pack_input_channels_last
 from .isa import VectorISA
 from .register_tile import KERNEL_ANNOTATION, ROWS_ANNOTATION, STAGE_ANNOTATION
 
@@ -129,12 +130,8 @@ def winograd_input(data: te.Tensor, tile: int, padding) -> te.Tensor:
     b_transpose, _, _ = MATRICES[tile]
     tiles_h, tiles_w = tile_counts(height + top + bottom - 2, width + left + right - 2, tile)
 
-    def pad_value(n, h, w, c):
-        inside = tirx.all(h >= top, h < height + top, w >= left, w < width + left)
-        return tirx.if_then_else(inside, data[n, c, h - top, w - left], tirx.const(0, data.dtype))
-
-    packed = te.compute((batch, tiles_h * tile + 2, tiles_w * tile + 2, channels), pad_value,
-                        name="winograd_input_nhwc", attrs={STAGE_ANNOTATION: "packed_input"})
+    packed = pack_input_channels_last(data, padding, tiles_h * tile + 2, tiles_w * tile + 2,
+                                      "winograd_input_nhwc")
 
     def rows_transformed(xi, j, n, t, c):  # (B^T d)[xi, j]
         row, column = t // tiles_w, t % tiles_w
