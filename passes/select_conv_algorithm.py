@@ -122,7 +122,9 @@ class _ConvRewriter(relax.PyExprMutator):
             return self._emit_winograd(WINOGRAD_TILES[algorithm], call, data, weight, record,
                                        name, source_weight)
         if algorithm == "width_vectors":
-            knobs = (self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, out_width, self.isa)
+            pointwise = conv2d.is_pointwise(*call.args[1].ty.shape.values[2:], strides, padding)
+            row_extent = out_width * call.ty.shape[2] if pointwise else out_width
+            knobs = (self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
                      or conv2d.width_tile_knobs(self.isa, out_channels))
             packed = emit_weight_transform(self.builder_, conv2d.pack_conv2d_weight, [weight],
                                            "conv2d_weight_rows",

@@ -46,6 +46,8 @@ DEPTHWISE = "conv2d_depthwise"
 # Output channels of a width-vectors tile (its register rows), beside ROWS_ANNOTATION's
 # columns per tile, which is the extent a version needs (dispatch.py).
 CHANNEL_ROWS_ANNOTATION = "tightfit.channel_rows"
+# On a tiles block whose row axis is the flattened H x W pixels of each image (pointwise convs).
+FLAT_PIXELS_ANNOTATION = "tightfit.flat_pixels"
 # Output rows of a depthwise tile: two rows share two of their three (3x3) input rows' loads,
 # and give the multiply-adds two independent chains.
 DEPTHWISE_ROWS = 2
@@ -132,41 +134,70 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
     and a 1x1 stride-1 conv reads its input as it is; any other conv reads the padded, phased
     input of `pack_input_phases`. Tiles along the width are shifted back at the end
     (tail_tiles.py), so the width domain is max(OW, vectors x lanes).
+
+    A pointwise conv is a GEMM over each image's whole pixel plane, which is contiguous in NCHW:
+    its tiles run along the flattened pixels (H x W columns, FLAT_PIXELS_ANNOTATION), so a 7x7
+    map fills three vectors and a shifted tail instead of seven lanes of one vector per row
+    (MobileNetV2's 1x1 convs at 14x14 and 7x7 ran at 12% of peak per row). The write-back's
+    (h, w) are fused to that axis when it is scheduled (`flatten_output_pixels`).
     """
     batch, channels, height, width = data.shape
     panels, kernel_h, kernel_w, _, channel_rows = (int(d) for d in packed_weight.shape)
+    tile_columns = vectors * lanes
+    attrs = {KERNEL_ANNOTATION: WIDTH_VECTORS, ROWS_ANNOTATION: tile_columns,
+             VECTORS_ANNOTATION: vectors, CHANNEL_ROWS_ANNOTATION: channel_rows}
+    rc = te.reduce_axis((0, channels), "rc")
+    if is_pointwise(kernel_h, kernel_w, strides, padding):
+        def pixel_value(n, o, p):
+            weight = packed_weight[o // channel_rows, 0, 0, rc, o % channel_rows]
+            return te.sum(data[n, rc, p // width, p % width] * weight, axis=rc)
+
+        tiles = te.compute((batch, panels * channel_rows, tirx.max(height * width, tile_columns)),
+                           pixel_value, name="conv2d_width_tiles",
+                           attrs={**attrs, OUTPUT_ROW_AXIS_ANNOTATION: 2,
+                                  FLAT_PIXELS_ANNOTATION: True})
+        return te.compute((batch, out_channels, height, width),
+                          lambda n, o, h, w: tiles[n, o, h * width + w], name="conv2d_width_out")
+
     (stride_h, stride_w), (dil_h, dil_w) = strides, dilation
     top, left, bottom, right = padding
     out_h = output_extent(height, top, bottom, kernel_h, stride_h, dil_h)
     out_w = output_extent(width, left, right, kernel_w, stride_w, dil_w)
-    tile_columns = vectors * lanes
     tile_w = tirx.max(out_w, tile_columns)
     ry = te.reduce_axis((0, kernel_h), "ry")
     rx = te.reduce_axis((0, kernel_w), "rx")
-    rc = te.reduce_axis((0, channels), "rc")
-    if is_pointwise(kernel_h, kernel_w, strides, padding):
-        def input_pixel(n, c, oh, ow):
-            return data[n, c, oh, ow]
-    else:
-        packed_input = pack_input_phases(data, tile_w, kernel_w, strides, padding, dilation,
-                                         "conv2d_input_phases")
-
-        def input_pixel(n, c, oh, ow):
-            tap = rx * dil_w
-            return packed_input[n, c, oh * stride_h + ry * dil_h, tap % stride_w,
-                                ow + tap // stride_w]
+    packed_input = pack_input_phases(data, tile_w, kernel_w, strides, padding, dilation,
+                                     "conv2d_input_phases")
 
     def tile_value(n, o, oh, ow):
+        tap = rx * dil_w
+        pixel = packed_input[n, rc, oh * stride_h + ry * dil_h, tap % stride_w,
+                             ow + tap // stride_w]
         weight = packed_weight[o // channel_rows, ry, rx, rc, o % channel_rows]
-        return te.sum(input_pixel(n, rc, oh, ow) * weight, axis=[ry, rx, rc])
+        return te.sum(pixel * weight, axis=[ry, rx, rc])
 
     tiles = te.compute((batch, panels * channel_rows, out_h, tile_w), tile_value,
-                       name="conv2d_width_tiles",
-                       attrs={KERNEL_ANNOTATION: WIDTH_VECTORS, ROWS_ANNOTATION: tile_columns,
-                              VECTORS_ANNOTATION: vectors, CHANNEL_ROWS_ANNOTATION: channel_rows,
-                              OUTPUT_ROW_AXIS_ANNOTATION: 3})
+                       name="conv2d_width_tiles", attrs={**attrs, OUTPUT_ROW_AXIS_ANNOTATION: 3})
     return te.compute((batch, out_channels, out_h, out_w),
                       lambda n, o, h, w: tiles[n, o, h, w], name="conv2d_width_out")
+
+
+def output_row_extent(out_shape, annotations) -> tuple[object, int]:
+    """(row extent, row axis) of a kernel's out block as scheduled: the annotated axis, or for
+    flat-pixel tiles the out block's pixel plane (H x W) fused at axis 2."""
+    if FLAT_PIXELS_ANNOTATION in annotations:
+        return out_shape[2] * out_shape[3], 2
+    axis = int(annotations[OUTPUT_ROW_AXIS_ANNOTATION])
+    return out_shape[axis], axis
+
+
+def flatten_output_pixels(sch: s_tir.Schedule, out_block) -> None:
+    """Fuse the (h, w) axes of an NCHW out block into one pixel axis h x W + w, the axis of
+    flat-pixel tiles (the block must still be its own loop nest: right after the epilogue is
+    inlined)."""
+    width = sch.get(out_block).iter_vars[3].dom.extent
+    sch.transform_block_layout(out_block, tirx.IndexMap.from_func(
+        lambda n, o, h, w: (n, o, h * width + w), index_dtype=width.ty.dtype))
 
 
 def width_tile_knobs(isa: VectorISA, out_channels: int) -> TileKnobs:
@@ -196,30 +227,43 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
             for ry, rx, c: acc[i][v] += W[panel, ry, rx, c, i] * input[c, row + ry, col + v + rx]
             output[panel rows, row, tile columns] = epilogue(acc)
 
+    Flat-pixel tiles (pointwise convs) have no output row: the parallel loop is (pixel tile,
+    channel panel), the batch inside, and `out_block` must have been through
+    `flatten_output_pixels`.
+
     Narrower outputs (the SINGLE_ROW version): a conv that reads the padded input computes one
     full tile per row from column 0 (the padded input is a tile wide, so the extra columns read
     zeros) and writes only the output's columns, through a bounds check per column; a pointwise
     conv, which reads the input as it is and so must not read past the row, runs one column at
     a time with the channel rows as a vector (the weight panel is contiguous along them).
     """
-    n, o, oh, ow, *reductions = sch.get_loops(tiles)
+    flat = FLAT_PIXELS_ANNOTATION in sch.get(tiles).annotations
+    tile_row_axis = 2 if flat else 3
+    n, o, *image_rows, ow = sch.get_loops(tiles)[:tile_row_axis + 1]
+    reductions = sch.get_loops(tiles)[tile_row_axis + 1:]
     o_outer, o_inner = sch.split(o, [None, channel_rows])
     reads_padded_input = any(STAGE_ANNOTATION in sch.get(block).annotations
                              for block in sch.get_producers(tiles))
     if version == ROW_TILES or reads_padded_input:
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
-        sch.reorder(oh, o_outer, n, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
-        sch.reverse_compute_at(out_block, ow_outer)
-        # Not the batch: its part of the fused index would divide by the symbolic row count,
-        # and the tile's offset would not be provably constant (test_register_tiles.py).
-        _fuse_outer_loops(sch, [oh, o_outer], parallel)
+        if flat:
+            # the pixel tiles give the parallelism where the channel panels are few
+            sch.reorder(ow_outer, o_outer, n, *reductions, o_inner, ow_vector, ow_lane)
+            sch.reverse_compute_at(out_block, n)
+            _fuse_outer_loops(sch, [ow_outer, o_outer], parallel)
+        else:
+            sch.reorder(*image_rows, o_outer, n, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
+            sch.reverse_compute_at(out_block, ow_outer)
+            # Not the batch: its part of the fused index would divide by the symbolic row
+            # count, and the tile's offset would not be provably constant (test_register_tiles).
+            _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)
         sch.unroll(o_inner)
         sch.unroll(ow_vector)
         sch.vectorize(ow_lane)
         init = sch.decompose_reduction(tiles, reductions[0])
         out_name = sch.get(out_block).name_hint
-        row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3,
-                     out_name: out_row_axis}
+        row_iters = {sch.get(tiles).name_hint: tile_row_axis,
+                     sch.get(init).name_hint: tile_row_axis, out_name: out_row_axis}
         *_, write_channels, write_columns = sch.get_loops(out_block)
         if version == ROW_TILES:
             _, write_lane = sch.split(write_columns, [None, isa.lanes])
@@ -234,9 +278,9 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         sch.vectorize(write_columns)
         return [("shift", row_iters, vectors * isa.lanes, row_extent, frozenset({out_name})),
                 ("restrict", sch.get(ow_outer).loop_var, 1)]
-    sch.reorder(oh, o_outer, n, ow, *reductions, o_inner)
+    sch.reorder(*image_rows, o_outer, n, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
-    _fuse_outer_loops(sch, [oh, o_outer], parallel)
+    _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)
     sch.vectorize(o_inner)
     sch.decompose_reduction(tiles, reductions[0])
     return [("restrict", sch.get(ow).loop_var, row_extent)]

@@ -165,21 +165,23 @@ def _direct(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
 
 def _width_vectors(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
     """Tiles of output channels x a vector of output columns (conv2d.conv2d_width_vectors):
-    the width is covered in whole vectors (the shifted tail recomputes the rest). Narrower than
-    a vector, a conv computes one whole vector per row; a pointwise conv goes column by column
-    with its channel rows as the vector, using channel_rows of its lanes."""
+    each row is covered in whole vectors (the shifted tail recomputes the rest), and for a
+    pointwise conv the row is the image's whole flattened pixel plane. Narrower than a vector,
+    a conv computes one whole vector per row; a pointwise conv goes pixel by pixel with its
+    channel rows as the vector, using channel_rows of its lanes."""
     out_h, out_w = shape.out_hw
     kh, kw = shape.kernel
     channel_rows = width_tile_knobs(isa, shape.out_channels).rows
     pointwise = is_pointwise(*shape.kernel, shape.strides, shape.padding)
-    if out_w >= isa.lanes:
-        columns = -(-out_w // isa.lanes) * isa.lanes
+    rows, row_width = (1, out_h * out_w) if pointwise else (out_h, out_w)
+    if row_width >= isa.lanes:
+        columns = -(-row_width // isa.lanes) * isa.lanes
     elif pointwise:
-        columns = out_w * isa.lanes / min(channel_rows, isa.lanes)
+        columns = row_width * isa.lanes / min(channel_rows, isa.lanes)
     else:
         columns = isa.lanes
     out_channels = -(-shape.out_channels // channel_rows) * channel_rows
-    macs = int(shape.batch * out_h * columns * out_channels * shape.channels * kh * kw)
+    macs = int(shape.batch * rows * columns * out_channels * shape.channels * kh * kw)
     top, left, bottom, right = shape.padding
     packed_input = 0 if pointwise else (shape.batch * shape.channels * (shape.height + top + bottom)
                                         * (shape.width + left + right))

@@ -30,7 +30,6 @@ from .isa import VectorISA, isa_for_target
 from .knob_database import KnobDatabase
 from .register_tile import (
     KERNEL_ANNOTATION,
-    OUTPUT_ROW_AXIS_ANNOTATION,
     ROWS_ANNOTATION,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
@@ -76,8 +75,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     sch = s_tir.Schedule(func)
     out_block = _single_consumer(sch, sch.get_sblock(block_name))
     out_buffer = sch.get(out_block).writes[0].source
-    out_row_axis = int(annotations[OUTPUT_ROW_AXIS_ANNOTATION])
-    row_extent = out_buffer.shape[out_row_axis]
+    row_extent, out_row_axis = conv2d.output_row_extent(out_buffer.shape, annotations)
     versions = []
     buckets = [(version, parallel, combine(row_condition, work_condition))
                for version, row_condition in row_buckets(row_extent, rows)
@@ -86,6 +84,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         sch = s_tir.Schedule(func)
         tiles = sch.get_sblock(block_name)
         out_block = inline_epilogue(sch, _single_consumer(sch, tiles))
+        if conv2d.FLAT_PIXELS_ANNOTATION in annotations:
+            conv2d.flatten_output_pixels(sch, out_block)
         if kind in REGISTER_TILE_KERNELS:
             knobs = TileKnobs(rows, int(annotations[VECTORS_ANNOTATION]),
                               int(annotations.get("tightfit.reduction_unroll", 1)))

@@ -19,6 +19,7 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.passes.select_conv_algorithm import CONV_PANEL_WIDTH
+from tightfit.schedules.conv2d import FLAT_PIXELS_ANNOTATION
 from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
@@ -70,6 +71,20 @@ def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3,
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, None, None])],
                   [_weight(rng, "w", (out_channels, channels // groups, kernel, kernel)),
                    _weight(rng, "b", (out_channels,))])
+
+
+def pointwise_residual_model(channels: int, out_channels: int) -> onnx.ModelProto:
+    """1x1 conv + bias + a residual input, over image[n, channels, h, w] with all three dims
+    symbolic: the pointwise kernel tiles each image's flattened h x w pixels."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[1, 1]),
+             helper.make_node("Add", ["c", "r"], ["y"])]
+    image = ["n", None, "h", "w"]
+    return _model("pointwise_residual", nodes,
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [image[0], channels, *image[2:]]),
+                   helper.make_tensor_value_info("r", TensorProto.FLOAT, [image[0], out_channels, *image[2:]])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [image[0], out_channels, *image[2:]])],
+                  [_weight(rng, "w", (out_channels, channels, 1, 1)), _weight(rng, "b", (out_channels,))])
 
 
 def conv1d_model(channels: int, out_channels: int, stride: int) -> onnx.ModelProto:
@@ -155,6 +170,21 @@ def test_width_vectors_conv_versions_match_onnxruntime_at_vector_edges(knob_data
     assert_matches_onnxruntime(conv_model(4, 17, groups=1, kernel=kernel, stride=stride),
                                "conv2d_width_vectors", knob_database,
                                lambda w: {"x": _normal(1, 4, 5, w)}, widths)
+
+
+def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_database):
+    """Pixel planes (h x w) of one vector less, one, one more and three plus two, in shapes whose
+    rows are narrower than a vector (7 x 7 is three vectors and a shifted tail), two images:
+    the tiles run along each image's flattened pixels."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    planes = [(1, 1), (1, lanes - 1), (4, lanes // 4), (lanes + 1, 1), (7, 7), (5, (3 * lanes + 2) // 5 + 1)]
+    model = pointwise_residual_model(6, 17)
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert FLAT_PIXELS_ANNOTATION in scheduled.script()
+    assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
+                               lambda plane: {"x": _normal(2, 6, *plane), "r": _normal(2, 17, *plane)},
+                               planes, conv_algorithms=("width_vectors",))
 
 
 def test_conv1d_runs_as_a_conv2d_kernel_at_width_bucket_edges(knob_database):
