@@ -347,6 +347,62 @@ def torch_transformer_layers() -> onnx.ModelProto:
     return _export(encoder, (x,), ["x"], ["y"], {"x": {0: "batch", 1: "sequence"}}, dynamo=True)
 
 
+def mobilenet_v2() -> onnx.ModelProto:
+    """MobileNetV2 at full size (width 1.0, Sandler et al. 2018, torchvision's layer table:
+    3.5 M parameters, 0.3 GMAC at 224 x 224) with random weights and batch-norm statistics:
+    the zoo's one model of a real network's size, whose 1x1 convs at 14 x 14 and 7 x 7 and
+    112 x 112 activations the small models do not have. Batch, height and width are dynamic."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(4)
+
+    def conv_bn_relu6(in_channels, out_channels, kernel=3, stride=1, groups=1):
+        return nn.Sequential(nn.Conv2d(in_channels, out_channels, kernel, stride, kernel // 2,
+                                       groups=groups, bias=False),
+                             nn.BatchNorm2d(out_channels), nn.ReLU6())
+
+    class InvertedResidual(nn.Module):
+        def __init__(self, in_channels, out_channels, stride, expansion):
+            super().__init__()
+            hidden = in_channels * expansion
+            expand = [conv_bn_relu6(in_channels, hidden, 1)] if expansion != 1 else []
+            self.body = nn.Sequential(*expand, conv_bn_relu6(hidden, hidden, 3, stride, hidden),
+                                      nn.Conv2d(hidden, out_channels, 1, bias=False),
+                                      nn.BatchNorm2d(out_channels))
+            self.residual = stride == 1 and in_channels == out_channels
+
+        def forward(self, x):
+            return x + self.body(x) if self.residual else self.body(x)
+
+    class MobileNetV2(nn.Module):
+        # (expansion, out channels, repeats, first stride) per stage
+        STAGES = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                  (6, 160, 3, 2), (6, 320, 1, 1)]
+
+        def __init__(self):
+            super().__init__()
+            layers, channels = [conv_bn_relu6(3, 32, 3, 2)], 32
+            for expansion, out_channels, repeats, stride in self.STAGES:
+                for index in range(repeats):
+                    layers.append(InvertedResidual(channels, out_channels,
+                                                   stride if index == 0 else 1, expansion))
+                    channels = out_channels
+            self.features = nn.Sequential(*layers, conv_bn_relu6(channels, 1280, 1))
+            self.classifier = nn.Linear(1280, 1000)
+
+        def forward(self, image):
+            return self.classifier(self.features(image).mean((2, 3)))
+
+    model = MobileNetV2()
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):  # trained-looking statistics, not 0 and 1
+            module.running_mean.uniform_(-0.1, 0.1)
+            module.running_var.uniform_(0.5, 1.5)
+    return _export(model, (torch.randn(1, 3, 224, 224),), ["image"], ["logits"],
+                   {"image": {0: "batch", 2: "height", 3: "width"}}, dynamo=False)
+
+
 # --- the registry ----------------------------------------------------------------------------------
 
 _MODELS = [
@@ -391,6 +447,9 @@ _MODELS = [
     ZooModel(name="torch_transformer_layers", build=torch_transformer_layers, feeds=None,
              dynamic=True, shape_sets=[{"x": (1, 5, 32)}, {"x": (3, 12, 32)}],
              description="PyTorch nn.TransformerEncoder (fused MHA) exported by dynamo"),
+    ZooModel(name="mobilenet_v2", build=mobilenet_v2, feeds=None, dynamic=True,
+             shape_sets=[{"image": (1, 3, 224, 224)}, {"image": (2, 3, 160, 128)}],
+             description="MobileNetV2 at full size (3.5 M parameters), dynamic batch/H/W"),
 ]
 # Cases where RDP's backward propagation and Merge matter (rdp_cases.py says what each shows).
 _MODELS += [
