@@ -19,6 +19,7 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.passes.select_conv_algorithm import CONV_PANEL_WIDTH
+from tightfit.schedules import conv2d
 from tightfit.schedules.conv2d import FLAT_PIXELS_ANNOTATION
 from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.pipeline import PipelineOptions, run_pipeline
@@ -172,10 +173,15 @@ def test_width_vectors_conv_versions_match_onnxruntime_at_vector_edges(knob_data
                                lambda w: {"x": _normal(1, 4, 5, w)}, widths)
 
 
-def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_database):
+@pytest.mark.parametrize("panels_outer", [False, True], ids=["pixel_tiles_outer", "panels_outer"])
+def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_database, monkeypatch,
+                                                                        panels_outer):
     """Pixel planes (h x w) of one vector less, one, one more and three plus two, in shapes whose
     rows are narrower than a vector (7 x 7 is three vectors and a shifted tail), two images:
-    the tiles run along each image's flattened pixels."""
+    the tiles run along each image's flattened pixels, in both loop orders (the weight size
+    picks one; the threshold is moved to force the other)."""
+    if panels_outer:
+        monkeypatch.setattr(conv2d, "PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES", 0)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     planes = [(1, 1), (1, lanes - 1), (4, lanes // 4), (lanes + 1, 1), (7, 7), (5, (3 * lanes + 2) // 5 + 1)]
     model = pointwise_residual_model(6, 17)

@@ -37,7 +37,7 @@ def tile_indices(func: tirx.PrimFunc) -> dict[str, set[str]]:
     return indices
 
 
-@pytest.mark.parametrize("model", ["conv_dynamic_hw", "mobilenet_v2_style", "resnet_style",
+@pytest.mark.parametrize("model", ["conv_dynamic_hw", "mobilenet_v2_style", "mobilenet_v2", "resnet_style",
                                    "transformer_encoder"])
 def test_accumulator_tiles_sit_at_constant_offsets(model):
     scheduled, _ = run_pipeline(import_onnx(zoo.get(model).build()).mod, resolve_target("host"),
