@@ -82,6 +82,9 @@ def profile_kernels(session, feeds: dict[str, np.ndarray], number: int = 20,
             entry.seconds += seconds
         return 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
 
+    # whole runs first: the first kernels timed right after compiling ran up to 2x slow
+    # (thread pool, caches and clock still cold), more than any real difference between them
+    session.time_run(feeds, number=5, repeat=3)
     # a VM of its own: an instrument cannot be taken off again, and would slow every later run
     profiled_vm = relax.VirtualMachine(session.executable, session.device)
     profiled_vm.set_instrument(instrument)
