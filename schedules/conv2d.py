@@ -28,6 +28,7 @@ import tvm
 from tvm import s_tir, te, tirx
 
 from .isa import VectorISA
+from .padding import PADDING_ANNOTATION
 from .register_tile import (
     KERNEL_ANNOTATION,
     MAX_ROWS,
@@ -310,23 +311,25 @@ def _weight_bytes(sch: s_tir.Schedule, tiles) -> int:
 
 
 def pack_input_phases(data: te.Tensor, tile_w, kernel_w: int, strides, padding, dilation,
-                      name: str, rows=None) -> te.Tensor:
+                      name: str, rows=None, align: int = 1) -> te.Tensor:
     """Zero-padded NCHW input with each padded row split into `stride_w` phases:
     [N, C, padded H, stride_w, phase_w]; phase p, column j is padded column j * stride_w + p,
     so output column ow, tap kw reads phase (kw * dil_w) % stride_w at column
     ow + (kw * dil_w) // stride_w, consecutive in ow for any stride. `tile_w` is the width
     domain the tiles cover (at least the output width); `rows`, when given, the padded rows
-    to hold (more than the padded input's, the rest zeros)."""
+    to hold (more than the padded input's, the rest zeros); `align`, a multiple phase_w is
+    rounded up to (whole vectors for padding.vector_packing_rows)."""
     batch, channels, height, width = data.shape
     stride_w, dil_w = strides[1], dilation[1]
-    top, _, bottom, _ = padding
-    phase_w = tile_w + ((kernel_w - 1) * dil_w) // stride_w
+    top, left, bottom, _ = padding
+    phase_w = (tile_w + ((kernel_w - 1) * dil_w) // stride_w + align - 1) // align * align
     rows = height + top + bottom if rows is None else tirx.max(height + top + bottom, rows)
 
     padded = zero_padded(data, padding)
     return te.compute((batch, channels, rows, stride_w, phase_w),
                       lambda n, c, h, phase, j: padded(n, c, h, j * stride_w + phase),
-                      name=name, attrs={STAGE_ANNOTATION: "packed_input"})
+                      name=name, attrs={STAGE_ANNOTATION: "packed_input",
+                                        PADDING_ANNOTATION: [top, left, stride_w]})
 
 
 def pack_input_channels_last(data: te.Tensor, padding, packed_h, packed_w, name: str) -> te.Tensor:
@@ -372,7 +375,8 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
     tile_h = (out_h + DEPTHWISE_ROWS - 1) // DEPTHWISE_ROWS * DEPTHWISE_ROWS
     packed_input = pack_input_phases(data, tile_w, kernel_w, strides, padding, dilation,
                                      "depthwise_input_phases",
-                                     rows=(tile_h - 1) * stride_h + (kernel_h - 1) * dil_h + 1)
+                                     rows=(tile_h - 1) * stride_h + (kernel_h - 1) * dil_h + 1,
+                                     align=vector_width)
     ry = te.reduce_axis((0, kernel_h), "ry")
     rx = te.reduce_axis((0, kernel_w), "rx")
 
@@ -416,14 +420,15 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     out_name = sch.get(out_block).name_hint
     row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3, out_name: out_row_axis}
     sch.vectorize(sch.get_loops(out_block)[-1])
+    pack_rows = ("pack_rows", sch.get(packing).name_hint, vector_width)
     if version == ROW_TILES:
-        return [("shift", row_iters, vector_width, row_extent)]
+        return [("shift", row_iters, vector_width, row_extent), pack_rows]
     # Narrower than a vector (MobileNet's 14x14 and 7x7 maps): one tile per row from column 0,
     # reading the zeros the packed input holds up to a vector's width; the write-back keeps
     # its bounds check (as conv2d_width_vectors' narrow version; a scalar loop per column ran
     # MobileNetV2's 576-channel 14x14 layer at 10 GMAC/s).
     return [("shift", row_iters, vector_width, row_extent, frozenset({out_name})),
-            ("restrict", sch.get(ow_outer).loop_var, 1)]
+            ("restrict", sch.get(ow_outer).loop_var, 1), pack_rows]
 
 
 def _copy_filter_per_channel(sch: s_tir.Schedule, tiles, channel) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 
 from .isa import VectorISA
+from .padding import vector_packing_rows
 from .tail_tiles import restrict_loop, shift_tail_tile
 
 KERNEL_ANNOTATION = "tightfit.kernel"
@@ -142,6 +143,9 @@ def apply_tail_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.Prim
         if rewrite[0] == "shift":
             _, row_iters, rows, extent, *keep_checks = rewrite
             func = shift_tail_tile(func, row_iters, rows, extent, *keep_checks)
+        elif rewrite[0] == "pack_rows":
+            _, block_name, lanes = rewrite
+            func = vector_packing_rows(func, block_name, lanes)
         else:
             _, loop_var, extent = rewrite
             func = restrict_loop(func, loop_var, extent)

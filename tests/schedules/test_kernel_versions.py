@@ -60,12 +60,15 @@ def batched_matmul_model(columns: int) -> onnx.ModelProto:
 
 
 def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3,
-               stride: int = 1) -> onnx.ModelProto:
-    """kernel x kernel conv, same padding, over image[1, channels, 5, w], bias and ReLU fused; w
-    is the row extent. kernel 1 is the pointwise case, which reads the input unpacked."""
+               stride: int = 1, pads: list[int] | None = None) -> onnx.ModelProto:
+    """kernel x kernel conv, same padding (or `pads`: top, left, bottom, right), over
+    image[1, channels, 5, w], bias and ReLU fused; w is the row extent. kernel 1 is the
+    pointwise case, which reads the input unpacked."""
     rng = np.random.default_rng(1)
+    pads = [kernel // 2] * 4 if pads is None else pads
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[kernel, kernel],
-                              pads=[kernel // 2] * 4, group=groups, strides=[stride, stride]),
+                              pads=[pads[0], pads[1], pads[2], pads[3]], group=groups,
+                              strides=[stride, stride]),
              helper.make_node("Relu", ["c"], ["y"])]
     return _model("conv", nodes,
                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 5, "w"])],
@@ -207,6 +210,26 @@ def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database
     widths = sorted({stride * (edge - 1) + 1 for edge in row_edges(lanes)} | {stride * lanes})
     assert_matches_onnxruntime(conv_model(6, 6, groups=6, stride=stride), "conv2d_depthwise",
                                knob_database, lambda w: {"x": _normal(1, 6, 5, w)}, widths)
+
+
+@pytest.mark.parametrize("stride, pads", [(2, [0, 0, 0, 0]), (2, [1, 2, 0, 1]), (1, [2, 0, 1, 3])])
+def test_depthwise_packing_rows_match_onnxruntime_at_vector_edges(knob_database, stride, pads):
+    """The packing stage's vector loads, deinterleaving shuffles and edge columns
+    (padding.py) under paddings of 0 to 3 columns on either side, at widths around two and
+    three vectors of input columns."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    widths = sorted({3, 2 * lanes - 1, 2 * lanes, 2 * lanes + 1, 3 * stride * lanes + 5})
+    model = conv_model(6, 6, groups=6, stride=stride, pads=pads)
+    options = PipelineOptions(conv_algorithms=("depthwise",))
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    kernel = next(func.script() for global_var, func in scheduled.functions.items()
+                  if "depthwise" in global_var.name_hint)
+    assert "if_then_else" not in kernel  # no check per packed element
+    assert ("T.Shuffle" in kernel) == (stride == 2)
+    assert_matches_onnxruntime(model, "conv2d_depthwise", knob_database,
+                               lambda w: {"x": _normal(1, 6, 5, w)}, widths,
+                               conv_algorithms=("depthwise",))
 
 
 @pytest.mark.parametrize("model, kernel", [(dense_model(40), "dense_packed"),
