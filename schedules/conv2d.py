@@ -250,8 +250,10 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     n, o, *image_rows, ow = sch.get_loops(tiles)[:tile_row_axis + 1]
     reductions = sch.get_loops(tiles)[tile_row_axis + 1:]
     o_outer, o_inner = sch.split(o, [None, channel_rows])
-    reads_padded_input = any(STAGE_ANNOTATION in sch.get(block).annotations
-                             for block in sch.get_producers(tiles))
+    pack_rows = [("pack_rows", sch.get(block).name_hint, isa.lanes)
+                 for block in sch.get_producers(tiles)
+                 if STAGE_ANNOTATION in sch.get(block).annotations]
+    reads_padded_input = bool(pack_rows)
     if version == ROW_TILES or reads_padded_input:
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
         if flat and _weight_bytes(sch, tiles) > PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES:
@@ -280,7 +282,7 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         if version == ROW_TILES:
             _, write_lane = sch.split(write_columns, [None, isa.lanes])
             sch.vectorize(write_lane)
-            return [("shift", row_iters, vectors * isa.lanes, row_extent)]
+            return [("shift", row_iters, vectors * isa.lanes, row_extent), *pack_rows]
         # One tile per row, at column 0 (the tile loop cut to one iteration). The write-back is
         # shifted like the tile so that all blocks index the tile alike and its buffer compacts
         # to one tile (indexed differently, it kept the output's symbolic width: 2x slower);
@@ -289,7 +291,7 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         sch.unroll(write_channels)
         sch.vectorize(write_columns)
         return [("shift", row_iters, vectors * isa.lanes, row_extent, frozenset({out_name})),
-                ("restrict", sch.get(ow_outer).loop_var, 1)]
+                ("restrict", sch.get(ow_outer).loop_var, 1), *pack_rows]
     sch.reorder(*image_rows, o_outer, n, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
     _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)
@@ -311,18 +313,18 @@ def _weight_bytes(sch: s_tir.Schedule, tiles) -> int:
 
 
 def pack_input_phases(data: te.Tensor, tile_w, kernel_w: int, strides, padding, dilation,
-                      name: str, rows=None, align: int = 1) -> te.Tensor:
+                      name: str, rows=None) -> te.Tensor:
     """Zero-padded NCHW input with each padded row split into `stride_w` phases:
     [N, C, padded H, stride_w, phase_w]; phase p, column j is padded column j * stride_w + p,
     so output column ow, tap kw reads phase (kw * dil_w) % stride_w at column
     ow + (kw * dil_w) // stride_w, consecutive in ow for any stride. `tile_w` is the width
     domain the tiles cover (at least the output width); `rows`, when given, the padded rows
-    to hold (more than the padded input's, the rest zeros); `align`, a multiple phase_w is
-    rounded up to (whole vectors for padding.vector_packing_rows)."""
+    to hold (more than the padded input's, the rest zeros). padding.vector_packing_rows
+    rewrites its loops once scheduled."""
     batch, channels, height, width = data.shape
     stride_w, dil_w = strides[1], dilation[1]
     top, left, bottom, _ = padding
-    phase_w = (tile_w + ((kernel_w - 1) * dil_w) // stride_w + align - 1) // align * align
+    phase_w = tile_w + ((kernel_w - 1) * dil_w) // stride_w
     rows = height + top + bottom if rows is None else tirx.max(height + top + bottom, rows)
 
     padded = zero_padded(data, padding)
@@ -375,8 +377,7 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
     tile_h = (out_h + DEPTHWISE_ROWS - 1) // DEPTHWISE_ROWS * DEPTHWISE_ROWS
     packed_input = pack_input_phases(data, tile_w, kernel_w, strides, padding, dilation,
                                      "depthwise_input_phases",
-                                     rows=(tile_h - 1) * stride_h + (kernel_h - 1) * dil_h + 1,
-                                     align=vector_width)
+                                     rows=(tile_h - 1) * stride_h + (kernel_h - 1) * dil_h + 1)
     ry = te.reduce_axis((0, kernel_h), "ry")
     rx = te.reduce_axis((0, kernel_w), "rx")
 

@@ -102,9 +102,12 @@ def _packed_row(realize: s_tir.SBlockRealize, row: tirx.Var, lanes: int):
             store(phase, j, tirx.Shuffle(both, [2 * i + phase for i in range(lanes)]), lanes)
             for phase in range(stride)])
 
-    zero = tirx.Broadcast(tirx.const(0, packed.dtype), lanes)
-    fill = loop("phase", 0, stride, lambda phase: loop(
-        "j", 0, phase_w // lanes, lambda j: store(phase, j * lanes, zero, lanes)))
+    zeros = tirx.Broadcast(tirx.const(0, packed.dtype), lanes)
+    zero = tirx.const(0, packed.dtype)
+    fill_vectors = phase_w // lanes
+    fill = loop("phase", 0, stride, lambda phase: tirx.SeqStmt([
+        loop("j", 0, fill_vectors, lambda j: store(phase, j * lanes, zeros, lanes)),
+        loop("j", fill_vectors * lanes, phase_w, lambda j: store(phase, j, zero))]))
     copies = [loop("j", 0, vectors, lambda j: vector_copy(interior_first + j * lanes))]
     for phase in range(stride):
         def copy(j, phase=phase):
