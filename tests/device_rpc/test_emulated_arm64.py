@@ -75,6 +75,26 @@ def test_winograd_conv_compiled_for_arm64_runs_on_the_emulated_device(tracker, a
     assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_conv_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm64_device,
+                                                                       stride):
+    """The depthwise kernel's packing in NEON vectors (padding.py: 4-lane copies, and for
+    stride 2 two loads deinterleaved by shuffles) and its edge columns, at widths of a few
+    vectors plus a remainder."""
+    rng = np.random.default_rng(4)
+    weight = numpy_helper.from_array(rng.standard_normal((12, 1, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4,
+                          group=12, strides=[stride, stride])], "depthwise_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 12, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 12, None, None])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = tightfit.compile(model, "emulated-arm64").remote_session(str(tracker), arm64_device)
+    for width in (5, 23, 41):
+        feeds = {"x": rng.standard_normal((1, 12, 7, width)).astype(np.float32)}
+        assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
+
+
 def _tune_command(model_path, tracker, database, trials):
     return [sys.executable, "-m", "tightfit.cli", "tune", str(model_path), "--target", "emulated-arm64",
             "--shape", "x=8,8", "--rpc-tracker", str(tracker), "--rpc-key", KEY, "--trials", str(trials),
