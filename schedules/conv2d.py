@@ -236,14 +236,16 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
             output[panel rows, row, tile columns] = epilogue(acc)
 
     Flat-pixel tiles (pointwise convs) have no output row: the parallel loop is (pixel tile,
-    channel panel), the batch inside, and `out_block` must have been through
+    channel panel), or (channel panel, pixel tile) for weights over
+    PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES, the batch inside, and `out_block` must have been through
     `flatten_output_pixels`.
 
     Narrower outputs (the SINGLE_ROW version): a conv that reads the padded input computes one
     full tile per row from column 0 (the padded input is a tile wide, so the extra columns read
     zeros) and writes only the output's columns, through a bounds check per column; a pointwise
-    conv, which reads the input as it is and so must not read past the row, runs one column at
-    a time with the channel rows as a vector (the weight panel is contiguous along them).
+    conv over fewer pixels than a vector, which reads the input as it is and so must not read
+    past the image, runs one pixel at a time with the channel rows as a vector (the weight
+    panel is contiguous along them).
     """
     flat = FLAT_PIXELS_ANNOTATION in sch.get(tiles).annotations
     tile_row_axis = 2 if flat else 3
