@@ -13,16 +13,20 @@ through every op), and each kernel changes layout inside:
   transposing the input).
 - `conv2d_width_vectors`: tiles of output channels x a vector of output columns, so the
   accumulators are rows of the NCHW output and the write-back needs no transpose; it reads the
-  input as it is (pointwise) or padded and split into row phases (`pack_input_phases`). The
-  cost model (conv_cost.py) prefers it to `conv2d_direct` wherever it measured faster.
+  input padded and split into row phases (`pack_input_phases`), or, pointwise, as it is, its
+  columns then running along each image's whole flattened pixel plane. The cost model
+  (conv_cost.py) prefers it to `conv2d_direct` wherever it measured faster.
 - `conv2d_depthwise`: one filter per channel has no reduction over channels to vectorize, so
   the vectors run along the output width in NCHW directly, over the same padded row phases.
+The padded row phases are packed in vector loads and shuffles (padding.py).
 Memory footprint (MNN pre-inference; recorded by passes/select_conv_algorithm.py): the packed
 input (workspace) and the packed weights.
 Limits: groups must be 1 (direct, width vectors) or equal to the channel count (depthwise); fp32.
 """
 
 from __future__ import annotations
+
+import math
 
 import tvm
 from tvm import s_tir, te, tirx
@@ -284,16 +288,11 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         if version == ROW_TILES:
             _, write_lane = sch.split(write_columns, [None, isa.lanes])
             sch.vectorize(write_lane)
-            return [("shift", row_iters, vectors * isa.lanes, row_extent), *pack_rows]
-        # One tile per row, at column 0 (the tile loop cut to one iteration). The write-back is
-        # shifted like the tile so that all blocks index the tile alike and its buffer compacts
-        # to one tile (indexed differently, it kept the output's symbolic width: 2x slower);
-        # it keeps its bounds check (TVM 0.27 makes that a masked vector store only when every
-        # access in the loop has the check's base, which the epilogue's loads have not).
-        sch.unroll(write_channels)
-        sch.vectorize(write_columns)
-        return [("shift", row_iters, vectors * isa.lanes, row_extent, frozenset({out_name})),
-                ("restrict", sch.get(ow_outer).loop_var, 1), *pack_rows]
+        else:
+            sch.unroll(write_channels)
+            sch.vectorize(write_columns)
+        return _column_tile_rewrites(sch, version, row_iters, vectors * isa.lanes, row_extent,
+                                     out_name, ow_outer) + pack_rows
     sch.reorder(*image_rows, o_outer, n, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
     _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)
@@ -307,10 +306,7 @@ def _weight_bytes(sch: s_tir.Schedule, tiles) -> int:
     for region in sch.get(tiles).reads:
         shape = region.source.shape
         if len(shape) == 5 and all(isinstance(d, tirx.IntImm) for d in shape):
-            count = 1
-            for d in shape:
-                count *= int(d)
-            return count * tvm.runtime.DataType(region.source.dtype).bits // 8
+            return math.prod(int(d) for d in shape) * tvm.runtime.DataType(region.source.dtype).bits // 8
     return 0
 
 
@@ -397,7 +393,8 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
 
 def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_row_axis: int,
                        vector_width: int, version: str, parallel: bool = True) -> list[tuple]:
-    """Depthwise tiles: one vector of output columns per tile, the filter taps unrolled.
+    """Depthwise tiles: one vector of output columns per tile (per row on maps narrower than
+    a vector), the filter taps unrolled.
 
     The loop over (batch, channel) is fused and, when `parallel`, run on the thread pool; the
     packing stage moves under it, so each channel is padded just before its rows are convolved,
@@ -423,15 +420,28 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     out_name = sch.get(out_block).name_hint
     row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3, out_name: out_row_axis}
     sch.vectorize(sch.get_loops(out_block)[-1])
-    pack_rows = ("pack_rows", sch.get(packing).name_hint, vector_width)
+    return (_column_tile_rewrites(sch, version, row_iters, vector_width, row_extent, out_name,
+                                  ow_outer)
+            + [("pack_rows", sch.get(packing).name_hint, vector_width)])
+
+
+def _column_tile_rewrites(sch: s_tir.Schedule, version: str, row_iters: dict, tile_columns: int,
+                          row_extent, out_name: str, tile_loop) -> list[tuple]:
+    """The rewrites of tiles of `tile_columns` output columns over the padded input.
+
+    ROW_TILES: the last tile shifted back. Narrower outputs (MobileNet's 14x14 and 7x7 maps):
+    one tile per row from column 0 (`tile_loop` cut to one iteration), reading the zeros the
+    packed input holds up to a tile's width (a scalar loop per column ran MobileNetV2's
+    576-channel 14x14 depthwise layer at 10 GMAC/s). The write-back is shifted like the tile so
+    that all blocks index the tile alike and its buffer compacts to one tile (indexed
+    differently, it kept the output's symbolic width: 2x slower); it keeps its bounds check
+    (TVM 0.27 makes that a masked vector store only when every access in the loop has the
+    check's base, which the epilogue's loads have not).
+    """
     if version == ROW_TILES:
-        return [("shift", row_iters, vector_width, row_extent), pack_rows]
-    # Narrower than a vector (MobileNet's 14x14 and 7x7 maps): one tile per row from column 0,
-    # reading the zeros the packed input holds up to a vector's width; the write-back keeps
-    # its bounds check (as conv2d_width_vectors' narrow version; a scalar loop per column ran
-    # MobileNetV2's 576-channel 14x14 layer at 10 GMAC/s).
-    return [("shift", row_iters, vector_width, row_extent, frozenset({out_name})),
-            ("restrict", sch.get(ow_outer).loop_var, 1), pack_rows]
+        return [("shift", row_iters, tile_columns, row_extent)]
+    return [("shift", row_iters, tile_columns, row_extent, frozenset({out_name})),
+            ("restrict", sch.get(tile_loop).loop_var, 1)]
 
 
 def _copy_filter_per_channel(sch: s_tir.Schedule, tiles, channel) -> None:

@@ -118,13 +118,12 @@ class Rates:
         return Rates(**defaults)
 
 
-def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates,
-                    winograd: bool = True) -> list[Candidate]:
+def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates) -> list[Candidate]:
     if shape.is_depthwise:
         return [_depthwise(shape, rates)]
     width = _width_vectors(shape, isa, rates)
     candidates = [_direct(shape, isa, rates), width]
-    if winograd and is_winograd_eligible(shape):
+    if is_winograd_eligible(shape):
         candidates += [_winograd(shape, isa, width, name) for name in WINOGRAD_TILES]
     return candidates
 

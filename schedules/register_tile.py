@@ -95,7 +95,7 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
     """Schedule tiles/out as the micro-kernel above; returns the tail rewrites still to apply.
     `parallel` False keeps the outer loops serial (the small-work version, dispatch.py).
 
-    The rewrites (`apply_tail_rewrites`) change loop bounds and block bindings, which schedule
+    The rewrites (`apply_rewrites`) change loop bounds and block bindings, which schedule
     primitives would reject afterwards, so they run last, on the finished PrimFunc.
     """
     loops = sch.get_loops(tiles_block)
@@ -138,7 +138,11 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
     return [("restrict", sch.get(row).loop_var, row_extent)]
 
 
-def apply_tail_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
+def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
+    """Apply a schedule's rewrites of the finished PrimFunc, in order: ("shift", ...) shifts the
+    last tile back (tail_tiles.shift_tail_tile), ("restrict", loop var, extent) cuts a loop
+    (tail_tiles.restrict_loop), ("pack_rows", block name, lanes) writes a packing stage in
+    vectors (padding.vector_packing_rows)."""
     for rewrite in rewrites:
         if rewrite[0] == "shift":
             _, row_iters, rows, extent, *keep_checks = rewrite

@@ -34,7 +34,7 @@ from .register_tile import (
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
     TileKnobs,
-    apply_tail_rewrites,
+    apply_rewrites,
     schedule_register_tiles,
 )
 
@@ -103,7 +103,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
             raise ValueError(f"no schedule for kernel kind {kind!r} (block {block_name})")
         if parallel:
             parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
-        versions.append((condition, apply_tail_rewrites(sch.mod["main"], rewrites)))
+        versions.append((condition, apply_rewrites(sch.mod["main"], rewrites)))
     return join_versions(versions).with_attr("tirx.is_scheduled", True)
 
 

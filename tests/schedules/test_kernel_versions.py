@@ -191,6 +191,9 @@ def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_dat
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
                                 stop_after="tightfit.FallbackCPUSchedule")
     assert FLAT_PIXELS_ANNOTATION in scheduled.script()
+    # the parallel loop fuses (pixel tile, channel panel) in the order asked for
+    order = "o_0_p_0_fused" if panels_outer else "p_0_o_0_fused"
+    assert f"for {order} in T.parallel" in scheduled.script()
     assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
                                lambda plane: {"x": _normal(2, 6, *plane), "r": _normal(2, 17, *plane)},
                                planes, conv_algorithms=("width_vectors",))
