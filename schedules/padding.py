@@ -12,14 +12,17 @@ of its 204 us packing (53 us with the input reads taken out).
 
     packed[row, :, :] = 0                                  # vector stores
     if top <= row < height + top:                          # the row is inside the image
-      for each vector of columns j inside every phase:     # stride 1: one vector load;
+      for each chunk of stride x V input columns:          # stride 1: one vector load;
         packed[row, phase, j:j+V] = input[row - top, ...]  # stride 2: two, deinterleaved
-      the columns left over at either edge: one at a time  #   by two shuffles
+      one chunk of V/2, then V/4, where columns are left   #   by two shuffles
+      the columns left at the right edge: one at a time
 
 The row checks move from every element to every row; no load leaves the image row.
 """
 
 from __future__ import annotations
+
+import functools
 
 import tvm
 from tvm import s_tir, tirx
@@ -28,6 +31,8 @@ from .tail_tiles import rewrite_loop_nest
 
 # On a packing stage built by conv2d.pack_input_phases: [top, left, stride_w]
 PADDING_ANNOTATION = "tightfit.padding"
+# The narrowest vector chunk of a row's copy: AVX-512's quarter vector, NEON's whole one.
+MIN_CHUNK_LANES = 4
 
 
 def vector_packing_rows(func: tirx.PrimFunc, block_name: str, lanes: int) -> tirx.PrimFunc:
@@ -41,25 +46,39 @@ def vector_packing_rows(func: tirx.PrimFunc, block_name: str, lanes: int) -> tir
             return None
         if int(realize.block.annotations[PADDING_ANNOTATION][2]) not in (1, 2):
             return None
-        return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL,
-                        _packed_row(realize, loop.loop_var, lanes))
+        row = _packed_row(realize, lanes)
+        if not (isinstance(realize.predicate, tirx.IntImm) and realize.predicate.value):
+            row = tirx.IfThenElse(realize.predicate, row, None)
+        return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, row)
 
     return func.with_body(rewrite_loop_nest(func.body, lambda realize: realize, replace))
 
 
 def _row_loop_realize(loop: tirx.For) -> s_tir.SBlockRealize | None:
-    """The block realize of the perfect loop nest `loop` opens, when `loop` is its row loop (a
-    stride-1 stage has no phase loop left: its extent was 1)."""
+    """The block realize of the perfect loop nest `loop` opens, when `loop` is its row loop:
+    the packed row is `loop`'s variable plus an offset, and the block's predicate depends on
+    no inner loop (compute_at under a symbolic height leaves the row range's start as a min
+    and a predicate it cannot prove true). A stride-1 stage has no phase loop left: its
+    extent was 1."""
+    inner_vars = []
     inner = loop.body
     while isinstance(inner, tirx.For):
+        inner_vars.append(inner.loop_var)
         inner = inner.body
-    if isinstance(inner, s_tir.SBlockRealize) and len(inner.iter_values) == 5 \
-            and inner.iter_values[2].same_as(loop.loop_var):
-        return inner
-    return None
+    if not isinstance(inner, s_tir.SBlockRealize) or len(inner.iter_values) != 5:
+        return None
+    offset = tvm.sym.Analyzer().simplify(inner.iter_values[2] - loop.loop_var)
+    if _uses_any(offset, [loop.loop_var, *inner_vars]) or _uses_any(inner.predicate, inner_vars):
+        return None
+    return inner
 
 
-def _packed_row(realize: s_tir.SBlockRealize, row: tirx.Var, lanes: int):
+def _uses_any(expr, variables) -> bool:
+    used = tirx.analysis.undefined_vars(expr)
+    return any(var.same_as(u) for var in variables for u in used)
+
+
+def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
     block = realize.block
     top, left, stride = (int(v) for v in block.annotations[PADDING_ANNOTATION])
     n, c = realize.iter_values[:2]
@@ -67,6 +86,7 @@ def _packed_row(realize: s_tir.SBlockRealize, row: tirx.Var, lanes: int):
     data = block.body.value.args[1].source
     height, width = data.shape[2], data.shape[3]
     phase_w = packed.shape[4]
+    row = realize.iter_values[2]
     index_type = row.ty.dtype
     analyzer = tvm.sym.Analyzer()
 
@@ -85,35 +105,52 @@ def _packed_row(realize: s_tir.SBlockRealize, row: tirx.Var, lanes: int):
         return tirx.BufferStore(packed, value, [n, c, row, phase, index])
 
     # column j of phase p holds input column j * stride + p - left, inside for j in
-    # [first[p], end[p]); every phase is inside on [interior_first, interior_end)
+    # [first[p], end[p])
     first = [-(-max(left - phase, 0) // stride) for phase in range(stride)]
     end = [tirx.min(tirx.floordiv(width + left - phase + stride - 1, stride), phase_w)
            for phase in range(stride)]
-    interior_first, interior_end = max(first), end[stride - 1]
-    vectors = analyzer.simplify(tirx.floordiv(tirx.max(interior_end - interior_first, 0), lanes))
-    vector_end = interior_first + vectors * lanes
-
-    def vector_copy(j):
-        source = j * stride - left
-        if stride == 1:
-            return store(0, j, input_at(source, lanes), lanes)
-        both = [input_at(source, lanes), input_at(source + lanes, lanes)]
-        return tirx.SeqStmt([
-            store(phase, j, tirx.Shuffle(both, [2 * i + phase for i in range(lanes)]), lanes)
+    # A chunk of stride x V input columns from an input column `source` gives each phase V
+    # consecutive columns: phase p takes the chunk's elements at offset[p] + stride * t, the
+    # input columns from the row's start being phase p's from first[p] on (so all phases
+    # start together and the chunk's loads stay inside the row whenever the phases do). Whole
+    # vectors first, then at most one chunk of each narrower power of two down to
+    # MIN_CHUNK_LANES (a 16-wide map at stride 2 fills its phases with two 8-lane chunks,
+    # a 10 x 8 map a row per 8-lane chunk), then the columns left, one at a time.
+    offset = [(phase - left) % stride for phase in range(stride)]
+    chunk_lanes = [lanes >> k for k in range(lanes.bit_length())
+                   if lanes >> k >= min(MIN_CHUNK_LANES, lanes)]
+    copied = tirx.const(0, index_type)  # columns of each phase copied so far
+    copies = []
+    for count in chunk_lanes:
+        chunks = functools.reduce(tirx.min, [
+            tirx.floordiv(tirx.max(end[phase] - first[phase] - copied, 0), count)
             for phase in range(stride)])
+        chunks = analyzer.simplify(chunks if count == lanes else tirx.min(chunks, 1))
 
+        def chunk_copy(k, count=count, copied=copied):
+            done = copied + k * count
+            source = done * stride
+            if stride == 1:
+                return store(0, first[0] + done, input_at(source, count), count)
+            both = [input_at(source, count), input_at(source + count, count)]
+            return tirx.SeqStmt([
+                store(phase, first[phase] + done,
+                      tirx.Shuffle(both, [offset[phase] + stride * t for t in range(count)]),
+                      count)
+                for phase in range(stride)])
+
+        copies.append(loop("k", 0, chunks, chunk_copy))
+        copied = analyzer.simplify(copied + chunks * count)
+    for phase in range(stride):
+        def copy(j, phase=phase):
+            return store(phase, j, input_at(j * stride + phase - left))
+        copies.append(loop("j", first[phase] + copied, end[phase], copy))
     zeros = tirx.Broadcast(tirx.const(0, packed.dtype), lanes)
     zero = tirx.const(0, packed.dtype)
     fill_vectors = phase_w // lanes
     fill = loop("phase", 0, stride, lambda phase: tirx.SeqStmt([
         loop("j", 0, fill_vectors, lambda j: store(phase, j * lanes, zeros, lanes)),
         loop("j", fill_vectors * lanes, phase_w, lambda j: store(phase, j, zero))]))
-    copies = [loop("j", 0, vectors, lambda j: vector_copy(interior_first + j * lanes))]
-    for phase in range(stride):
-        def copy(j, phase=phase):
-            return store(phase, j, input_at(j * stride + phase - left))
-        copies.append(loop("j", first[phase], tirx.min(interior_first, end[phase]), copy))
-        copies.append(loop("j", tirx.max(vector_end, interior_first), end[phase], copy))
     inside = tirx.And(row >= top, row < height + top)
     body = tirx.SeqStmt([fill, tirx.IfThenElse(inside, tirx.SeqStmt(copies), None)])
     whole = tvm.ir.Range.from_min_extent

@@ -219,9 +219,13 @@ def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database
 def test_depthwise_packing_rows_match_onnxruntime_at_vector_edges(knob_database, stride, pads):
     """The packing stage's vector loads, deinterleaving shuffles and edge columns
     (padding.py) under paddings of 0 to 3 columns on either side, at widths around two and
-    three vectors of input columns."""
+    three vectors of input columns, around half a vector's chunk, and one needing every chunk
+    width (a vector, a half and a quarter) before its edge columns."""
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
-    widths = sorted({3, 2 * lanes - 1, 2 * lanes, 2 * lanes + 1, 3 * stride * lanes + 5})
+    half_chunk = stride * lanes // 2
+    widths = sorted({3, half_chunk - 1, half_chunk, half_chunk + 1, 2 * lanes - 1, 2 * lanes,
+                     2 * lanes + 1, 3 * stride * lanes + 5,
+                     stride * (lanes + lanes // 2 + lanes // 4) + 3})
     model = conv_model(6, 6, groups=6, stride=stride, pads=pads)
     options = PipelineOptions(conv_algorithms=("depthwise",))
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
@@ -233,6 +237,31 @@ def test_depthwise_packing_rows_match_onnxruntime_at_vector_edges(knob_database,
     assert_matches_onnxruntime(model, "conv2d_depthwise", knob_database,
                                lambda w: {"x": _normal(1, 6, 5, w)}, widths,
                                conv_algorithms=("depthwise",))
+
+
+def test_depthwise_packing_rows_after_a_strided_conv_over_a_symbolic_height(knob_database):
+    """Behind a stride-2 conv the depthwise input's height is (h - 1) // 2 + 1, and compute_at
+    leaves its packing rows starting at a min() under a predicate (MobileNetV2's layers): the
+    rows are still packed in vectors."""
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                              strides=[2, 2]),
+             helper.make_node("Conv", ["c", "w2"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                              strides=[2, 2], group=6)]
+    model = _model("strided_chain", nodes,
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "h", "w"])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, None, None])],
+                   [_weight(rng, "w1", (6, 3, 3, 3)), _weight(rng, "w2", (6, 1, 3, 3))])
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                                PipelineOptions(knob_database=knob_database),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    kernel = next(func.script() for global_var, func in scheduled.functions.items()
+                  if "depthwise" in global_var.name_hint)
+    assert "if_then_else" not in kernel
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    assert_matches_onnxruntime(model, "conv2d_depthwise", knob_database,
+                               lambda w: {"x": _normal(1, 3, w // 2 + 3, w)},
+                               [9, 4 * lanes - 3, 8 * lanes + 6])
 
 
 @pytest.mark.parametrize("model, kernel", [(dense_model(40), "dense_packed"),
