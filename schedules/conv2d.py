@@ -398,7 +398,12 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
 
     The loop over (batch, channel) is fused and, when `parallel`, run on the thread pool; the
     packing stage moves under it, so each channel is padded just before its rows are convolved,
-    while it sits in L1. Fusing the output rows into the parallel loop as well would cost three
+    while it sits in L1. Not on maps narrower than a vector (the SINGLE_ROW version): there the
+    stage packs every channel first, into one buffer, because a buffer per channel inside the
+    parallel loop is a workspace allocation per channel (its size is symbolic, so it is no
+    stack array), which cost more than convolving a small plane (MobileNetV2's 960 x 5 x 4
+    layer at batch 2: 47 -> 27 us; 576 x 10 x 8: 38 -> 27 us; on wide maps packing first
+    was 5-10% slower). Fusing the output rows into the parallel loop as well would cost three
     divisions by symbolic extents per row to recover the indices, more than a row's 2-3 tiles
     (measured 2x slower on MobileNet's 64 x 48 x 40 layers). The tile buffer stays "global", a
     stack array in registers (isa.py).
@@ -410,7 +415,10 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     sch.reorder(n, c, oh_outer, ow_outer, ry, rx, oh_inner, ow_lane)
     sch.reverse_compute_at(out_block, ow_outer)
     channel = _fuse_outer_loops(sch, [n, c], parallel)
-    sch.compute_at(packing, channel)
+    if version == ROW_TILES:
+        sch.compute_at(packing, channel)
+    else:
+        _fuse_outer_loops(sch, sch.get_loops(packing)[:2], parallel)
     _copy_filter_per_channel(sch, tiles, channel)
     sch.unroll(ry)
     sch.unroll(rx)
@@ -434,14 +442,14 @@ def _column_tile_rewrites(sch: s_tir.Schedule, version: str, row_iters: dict, ti
     packed input holds up to a tile's width (a scalar loop per column ran MobileNetV2's
     576-channel 14x14 depthwise layer at 10 GMAC/s). The write-back is shifted like the tile so
     that all blocks index the tile alike and its buffer compacts to one tile (indexed
-    differently, it kept the output's symbolic width: 2x slower); it keeps its bounds check
-    (TVM 0.27 makes that a masked vector store only when every access in the loop has the
-    check's base, which the epilogue's loads have not).
+    differently, it kept the output's symbolic width: 2x slower); it keeps its bounds check,
+    and row_chunks.chunked_write_back then stores each row's valid columns in vector chunks.
     """
     if version == ROW_TILES:
         return [("shift", row_iters, tile_columns, row_extent)]
     return [("shift", row_iters, tile_columns, row_extent, frozenset({out_name})),
-            ("restrict", sch.get(tile_loop).loop_var, 1)]
+            ("restrict", sch.get(tile_loop).loop_var, 1),
+            ("write_rows", out_name)]
 
 
 def _copy_filter_per_channel(sch: s_tir.Schedule, tiles, channel) -> None:

@@ -27,12 +27,11 @@ import functools
 import tvm
 from tvm import s_tir, tirx
 
+from .row_chunks import chunk_loops
 from .tail_tiles import rewrite_loop_nest
 
 # On a packing stage built by conv2d.pack_input_phases: [top, left, stride_w]
 PADDING_ANNOTATION = "tightfit.padding"
-# The narrowest vector chunk of a row's copy: AVX-512's quarter vector, NEON's whole one.
-MIN_CHUNK_LANES = 4
 
 
 def vector_packing_rows(func: tirx.PrimFunc, block_name: str, lanes: int) -> tirx.PrimFunc:
@@ -112,35 +111,23 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
     # A chunk of stride x V input columns from an input column `source` gives each phase V
     # consecutive columns: phase p takes the chunk's elements at offset[p] + stride * t, the
     # input columns from the row's start being phase p's from first[p] on (so all phases
-    # start together and the chunk's loads stay inside the row whenever the phases do). Whole
-    # vectors first, then at most one chunk of each narrower power of two down to
-    # MIN_CHUNK_LANES (a 16-wide map at stride 2 fills its phases with two 8-lane chunks,
-    # a 10 x 8 map a row per 8-lane chunk), then the columns left, one at a time.
+    # start together and the chunk's loads stay inside the row whenever the phases do).
+    # row_chunks.chunk_loops sizes the chunks: a 16-wide map at stride 2 fills its phases with
+    # two 8-lane chunks, a 10 x 8 map a row per 8-lane chunk.
     offset = [(phase - left) % stride for phase in range(stride)]
-    chunk_lanes = [lanes >> k for k in range(lanes.bit_length())
-                   if lanes >> k >= min(MIN_CHUNK_LANES, lanes)]
-    copied = tirx.const(0, index_type)  # columns of each phase copied so far
-    copies = []
-    for count in chunk_lanes:
-        chunks = functools.reduce(tirx.min, [
-            tirx.floordiv(tirx.max(end[phase] - first[phase] - copied, 0), count)
+
+    def chunk_copy(done, count):
+        source = done * stride
+        if stride == 1:
+            return store(0, first[0] + done, input_at(source, count), count)
+        both = [input_at(source, count), input_at(source + count, count)]
+        return tirx.SeqStmt([
+            store(phase, first[phase] + done,
+                  tirx.Shuffle(both, [offset[phase] + stride * t for t in range(count)]), count)
             for phase in range(stride)])
-        chunks = analyzer.simplify(chunks if count == lanes else tirx.min(chunks, 1))
 
-        def chunk_copy(k, count=count, copied=copied):
-            done = copied + k * count
-            source = done * stride
-            if stride == 1:
-                return store(0, first[0] + done, input_at(source, count), count)
-            both = [input_at(source, count), input_at(source + count, count)]
-            return tirx.SeqStmt([
-                store(phase, first[phase] + done,
-                      tirx.Shuffle(both, [offset[phase] + stride * t for t in range(count)]),
-                      count)
-                for phase in range(stride)])
-
-        copies.append(loop("k", 0, chunks, chunk_copy))
-        copied = analyzer.simplify(copied + chunks * count)
+    inside_every_phase = functools.reduce(tirx.min, [end[p] - first[p] for p in range(stride)])
+    copies, copied = chunk_loops(inside_every_phase, lanes, index_type, chunk_copy)
     for phase in range(stride):
         def copy(j, phase=phase):
             return store(phase, j, input_at(j * stride + phase - left))

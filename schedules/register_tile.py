@@ -30,6 +30,7 @@ from tvm import s_tir, tirx
 
 from .isa import VectorISA
 from .padding import vector_packing_rows
+from .row_chunks import chunked_write_back
 from .tail_tiles import restrict_loop, shift_tail_tile
 
 KERNEL_ANNOTATION = "tightfit.kernel"
@@ -142,7 +143,8 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
     """Apply a schedule's rewrites of the finished PrimFunc, in order: ("shift", ...) shifts the
     last tile back (tail_tiles.shift_tail_tile), ("restrict", loop var, extent) cuts a loop
     (tail_tiles.restrict_loop), ("pack_rows", block name, lanes) writes a packing stage in
-    vectors (padding.vector_packing_rows)."""
+    vectors (padding.vector_packing_rows), ("write_rows", block name) stores a checked
+    write-back's rows in vector chunks (row_chunks.chunked_write_back)."""
     for rewrite in rewrites:
         if rewrite[0] == "shift":
             _, row_iters, rows, extent, *keep_checks = rewrite
@@ -150,6 +152,8 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
         elif rewrite[0] == "pack_rows":
             _, block_name, lanes = rewrite
             func = vector_packing_rows(func, block_name, lanes)
+        elif rewrite[0] == "write_rows":
+            func = chunked_write_back(func, rewrite[1])
         else:
             _, loop_var, extent = rewrite
             func = restrict_loop(func, loop_var, extent)

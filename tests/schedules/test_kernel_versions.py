@@ -264,6 +264,42 @@ def test_depthwise_packing_rows_after_a_strided_conv_over_a_symbolic_height(knob
                                [9, 4 * lanes - 3, 8 * lanes + 6])
 
 
+def _scheduled_kernel(model, kernel_name: str, knob_database: str) -> str:
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                                PipelineOptions(knob_database=knob_database),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    return next(func.script() for global_var, func in scheduled.functions.items()
+                if kernel_name in global_var.name_hint)
+
+
+@pytest.mark.parametrize("groups", [6, 1], ids=["depthwise", "width_vectors"])
+def test_narrow_rows_are_written_by_masked_vector_stores(knob_database, groups):
+    """Maps narrower than a vector: each output row is one masked store of the tile's vector
+    (row_chunks.py), not a checked store per column; every width below a vector matches."""
+    model = conv_model(6, 6, groups=groups)
+    kernel = "depthwise" if groups > 1 else "width_vectors"
+    assert "masked_store" in _scheduled_kernel(model, kernel, knob_database)
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    assert_matches_onnxruntime(model, f"conv2d_{kernel}", knob_database,
+                               lambda w: {"x": _normal(1, 6, 5, w)}, range(1, lanes + 1))
+
+
+def test_narrow_rows_with_a_residual_input_keep_their_column_check(knob_database):
+    """A write-back that adds a residual input along the columns must not read it a whole
+    vector wide past the row: it keeps the checked store, and still matches."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                              group=6),
+             helper.make_node("Add", ["c", "x"], ["y"])]
+    model = _model("depthwise_residual", nodes,
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 5, "w"])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 5, "w"])],
+                   [_weight(rng, "w", (6, 1, 3, 3))])
+    assert "masked_store" not in _scheduled_kernel(model, "depthwise", knob_database)
+    assert_matches_onnxruntime(model, "conv2d_depthwise", knob_database,
+                               lambda w: {"x": _normal(1, 6, 5, w)}, [1, 3, 7])
+
+
 @pytest.mark.parametrize("model, kernel", [(dense_model(40), "dense_packed"),
                                            (batched_matmul_model(20), "matmul_packed_rhs"),
                                            (conv_model(4, 24, groups=1), "conv2d_width_vectors"),

@@ -1,0 +1,144 @@
+"""Rows of a symbolic width in vector chunks instead of a check per element.
+
+TVM 0.27 scalarizes a vectorized loop whose body is guarded per element (`if column < width`):
+its vectorizer turns such a guard into a masked store only on scalable-vector targets, and
+only when every access in the loop is a ramp from the guard's base. Where a kernel writes or
+copies rows narrower than its vectors (MobileNetV2's 14 x 14, 10 x 8 and 7 x 7 maps under
+16-lane tiles), the rows are instead moved in chunks: as many whole vectors as fit, then at
+most one chunk of each narrower power of two down to MIN_CHUNK_LANES, then the elements left
+one at a time. A 14-wide row is an 8-lane chunk, a 4-lane chunk and two elements.
+
+- `chunk_loops` builds those loops for a caller's chunk body (padding.py packs rows with it);
+- `chunked_write_back` rewrites a kernel's checked write-back rows into chunks of the row's
+  valid columns, each chunk a loop the vectorizer widens (the epilogue is computed per chunk;
+  computing it once for the whole vector into a row buffer and copying from there was 1.4-1.6x
+  slower on 4- to 8-wide rows, the narrow loads waiting on the wide store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.tirx.op import masked_store
+
+from .tail_tiles import all_of, conjuncts, rewrite_loop_nest
+
+# The narrowest chunk: AVX-512's quarter vector, NEON's whole one.
+MIN_CHUNK_LANES = 4
+
+
+def chunk_loops(available, lanes: int, index_type: str,
+                chunk_body: Callable[[object, int], tirx.Stmt]) -> tuple[list[tirx.Stmt], object]:
+    """Loops running `chunk_body(offset, count)` over [0, available) in chunks of `lanes`, then
+    one of each narrower power of two that fits, down to MIN_CHUNK_LANES (or `lanes`, if
+    narrower). Returns the loops and how many elements they cover; the caller handles the
+    rest one at a time."""
+    analyzer = tvm.sym.Analyzer()
+    done = tirx.const(0, index_type)
+    loops = []
+    count = lanes
+    while count >= min(MIN_CHUNK_LANES, lanes):
+        chunks = tirx.floordiv(tirx.max(available - done, 0), count)
+        chunks = analyzer.simplify(chunks if count == lanes else tirx.min(chunks, 1))
+        var = tirx.Var("k", index_type)
+        loops.append(tirx.For(var, tirx.const(0, index_type), chunks, tirx.ForKind.SERIAL,
+                              chunk_body(done + var * count, count)))
+        done = analyzer.simplify(done + chunks * count)
+        count //= 2
+    return loops, done
+
+
+def chunked_write_back(func: tirx.PrimFunc, block_name: str) -> tirx.PrimFunc:
+    """`func` with the write-back block `block_name`, where a vectorized column loop runs it
+    under a check on the column, writing the row's valid columns in chunks instead. Left as it is where the block's value reads a function
+    parameter along the columns (a residual input): the whole vector would read past it."""
+    params = [param for param in func.params if hasattr(param, "shape")]
+
+    def replace(loop: tirx.For):
+        columns = loop.body
+        if not (isinstance(columns, tirx.For) and columns.kind == tirx.ForKind.VECTORIZED
+                and isinstance(columns.body, s_tir.SBlockRealize)
+                and columns.body.block.name_hint == block_name):
+            return None
+        row = _row_in_chunks(columns, params)
+        if row is None:
+            return None
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, row,
+                        loop.thread_binding, loop.annotations)
+
+    return func.with_body(rewrite_loop_nest(func.body, lambda realize: realize, replace))
+
+
+def _row_in_chunks(columns: tirx.For, params) -> s_tir.SBlockRealize | None:
+    realize = columns.body
+    block = realize.block
+    lane = columns.loop_var
+    checks = [c for c in conjuncts(realize.predicate) if _uses(c, lane)]
+    if not checks or not isinstance(block.body, tirx.BufferStore):
+        return None
+    bindings = {iv.var: value for iv, value in zip(block.iter_vars, realize.iter_values)}
+    reads = [_region_over_lanes(region, bindings, lane, columns.extent) for region in block.reads]
+    if any(any(region.source.same_as(param) for param in params)
+           and any(not _is_one(dim.extent) for dim in region.region) for region in reads):
+        return None  # the whole vector would read a parameter past the row
+    store = block.body
+    value = _substitute(store.value, bindings)
+    indices = [_substitute(index, bindings) for index in store.indices]
+    analyzer = tvm.sym.Analyzer()
+    first = _substitute(indices[-1], {lane: tirx.const(0, lane.ty.dtype)})
+    if not analyzer.can_prove_equal(indices[-1], first + lane):
+        return None
+    index_type = lane.ty.dtype
+    out = store.buffer
+    valid = analyzer.simplify(tirx.min(out.shape[-1] - first, columns.extent))
+
+    # "global": a constant-size stack array (isa.py), which LLVM keeps in a register
+    row = tirx.decl_buffer((columns.extent,), out.dtype, f"{block.name_hint}_row")
+    compute = tirx.For(lane, columns.min, columns.extent, tirx.ForKind.VECTORIZED,
+                       tirx.BufferStore(row, value, [lane]))
+    count = int(columns.extent)
+    lanes = tirx.Ramp(tirx.const(0, index_type), tirx.const(1, index_type), count)
+    store = tirx.Evaluate(masked_store(
+        out, tirx.BufferLoad(row, [lanes]), *indices[:-1],
+        tirx.Ramp(first, tirx.const(1, index_type), count), lanes < tirx.Broadcast(valid, count)))
+    body = tirx.SeqStmt([compute, store])
+    row_checks = [c for c in conjuncts(realize.predicate) if not _uses(c, lane)]
+    if row_checks:
+        body = tirx.IfThenElse(all_of(row_checks), body, None)
+    whole = tvm.ir.Range.from_min_extent
+    writes = [tirx.BufferRegion(out, [whole(i, 1) for i in indices[:-1]] + [whole(first, valid)])]
+    return s_tir.SBlockRealize([], tirx.const(True, "bool"), s_tir.SBlock(
+        [], reads, writes, block.name_hint, body, None, [row]))
+
+
+def _region_over_lanes(region: tirx.BufferRegion, bindings: dict, lane: tirx.Var, lanes):
+    """A block read region with the block's iterators bound, widened to every lane along a
+    dimension that moves with the lane."""
+    ranges = []
+    for dim in region.region:
+        start = _substitute(dim.min, bindings)
+        if _uses(start, lane):
+            start = _substitute(start, {lane: tirx.const(0, lane.ty.dtype)})
+            ranges.append(tvm.ir.Range.from_min_extent(start, lanes))
+        else:
+            ranges.append(tvm.ir.Range.from_min_extent(start, dim.extent))
+    return tirx.BufferRegion(region.source, ranges)
+
+
+def _substitute(expr, bindings: dict):
+    """`expr` with each variable of `bindings` replaced by its expression (TVM 0.27 has no
+    Python TIR substitute; an analyzer binding substitutes while it simplifies)."""
+    analyzer = tvm.sym.Analyzer()
+    for var, value in bindings.items():
+        analyzer.bind(var, value)
+    return analyzer.simplify(expr)
+
+
+def _is_one(extent) -> bool:
+    return isinstance(extent, tirx.IntImm) and extent.value == 1
+
+
+def _uses(expr, var: tirx.Var) -> bool:
+    return any(var.same_as(used) for used in tirx.analysis.undefined_vars(expr))
