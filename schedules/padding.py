@@ -10,12 +10,14 @@ of its 204 us packing (53 us with the input reads taken out).
 
 `vector_packing_rows` rewrites such a stage, once scheduled, per padded row:
 
-    packed[row, :, :] = 0                                  # vector stores
     if top <= row < height + top:                          # the row is inside the image
+      packed[row, phase, padding columns] = 0
       for each chunk of stride x V input columns:          # stride 1: one vector load;
         packed[row, phase, j:j+V] = input[row - top, ...]  # stride 2: two, deinterleaved
       one chunk of V/2, then V/4, where columns are left   #   by two shuffles
       the columns left at the right edge: one at a time
+    else:
+      packed[row, :, :] = 0
 
 The row checks move from every element to every row; no load leaves the image row.
 """
@@ -27,7 +29,7 @@ import functools
 import tvm
 from tvm import s_tir, tirx
 
-from .row_chunks import chunk_loops
+from .row_chunks import chunk_steps, element_steps, narrowest_chunk
 from .tail_tiles import rewrite_loop_nest
 
 # On a packing stage built by conv2d.pack_input_phases: [top, left, stride_w]
@@ -87,13 +89,6 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
     phase_w = packed.shape[4]
     row = realize.iter_values[2]
     index_type = row.ty.dtype
-    analyzer = tvm.sym.Analyzer()
-
-    def loop(name, begin, end, body_of):
-        var = tirx.Var(name, index_type)
-        extent = analyzer.simplify(tirx.max(end - begin, 0))
-        return tirx.For(var, tirx.const(0, index_type), extent, tirx.ForKind.SERIAL,
-                        body_of(var + begin))
 
     def input_at(column, count=1):
         index = column if count == 1 else tirx.Ramp(column, 1, count)
@@ -112,7 +107,7 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
     # consecutive columns: phase p takes the chunk's elements at offset[p] + stride * t, the
     # input columns from the row's start being phase p's from first[p] on (so all phases
     # start together and the chunk's loads stay inside the row whenever the phases do).
-    # row_chunks.chunk_loops sizes the chunks: a 16-wide map at stride 2 fills its phases with
+    # row_chunks.chunk_steps sizes the chunks: a 16-wide map at stride 2 fills its phases with
     # two 8-lane chunks, a 10 x 8 map a row per 8-lane chunk.
     offset = [(phase - left) % stride for phase in range(stride)]
 
@@ -127,19 +122,34 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
             for phase in range(stride)])
 
     inside_every_phase = functools.reduce(tirx.min, [end[p] - first[p] for p in range(stride)])
-    copies, copied = chunk_loops(inside_every_phase, lanes, index_type, chunk_copy)
+    copies, copied = chunk_steps(inside_every_phase, lanes, index_type, chunk_copy)
+    # a phase holds at most one more column than the one with fewest
+    most_left = narrowest_chunk(lanes) if stride > 1 else narrowest_chunk(lanes) - 1
     for phase in range(stride):
         def copy(j, phase=phase):
             return store(phase, j, input_at(j * stride + phase - left))
-        copies.append(loop("j", first[phase] + copied, end[phase], copy))
-    zeros = tirx.Broadcast(tirx.const(0, packed.dtype), lanes)
-    zero = tirx.const(0, packed.dtype)
-    fill_vectors = phase_w // lanes
-    fill = loop("phase", 0, stride, lambda phase: tirx.SeqStmt([
-        loop("j", 0, fill_vectors, lambda j: store(phase, j * lanes, zeros, lanes)),
-        loop("j", fill_vectors * lanes, phase_w, lambda j: store(phase, j, zero))]))
+        copies += element_steps(first[phase] + copied, end[phase], most_left, copy)
+
+    def zeros(phase, begin, end_, most_left):
+        """Zeros over [begin, end_) of a phase: vector chunks, then single elements."""
+        def chunk(j, count=1):
+            value = tirx.const(0, packed.dtype)
+            return store(phase, begin + j, value if count == 1 else tirx.Broadcast(value, count),
+                         count)
+
+        chunks, zeroed = chunk_steps(end_ - begin, lanes, index_type, chunk)
+        return chunks + element_steps(zeroed, end_ - begin, most_left, chunk)
+
+    # A row inside the image zeroes only its padding columns: LLVM turns a loop of zero stores
+    # into a memset call, once per packed row (1.8x slower depthwise convs on 28 x 28 maps).
+    edges = []
+    for phase in range(stride):
+        edges += [store(phase, j, tirx.const(0, packed.dtype)) for j in range(first[phase])]
+        edges += zeros(phase, end[phase], phase_w, narrowest_chunk(lanes) - 1)
+    outside = [stmt for phase in range(stride)
+               for stmt in zeros(phase, 0, phase_w, narrowest_chunk(lanes) - 1)]
     inside = tirx.And(row >= top, row < height + top)
-    body = tirx.SeqStmt([fill, tirx.IfThenElse(inside, tirx.SeqStmt(copies), None)])
+    body = tirx.IfThenElse(inside, tirx.SeqStmt(edges + copies), tirx.SeqStmt(outside))
     whole = tvm.ir.Range.from_min_extent
     reads = [tirx.BufferRegion(data, [whole(n, 1), whole(c, 1), whole(0, height), whole(0, width)])]
     writes = [tirx.BufferRegion(packed, [whole(n, 1), whole(c, 1), whole(row, 1),

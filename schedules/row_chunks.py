@@ -2,17 +2,18 @@
 
 TVM 0.27 scalarizes a vectorized loop whose body is guarded per element (`if column < width`):
 its vectorizer turns such a guard into a masked store only on scalable-vector targets, and
-only when every access in the loop is a ramp from the guard's base. Where a kernel writes or
-copies rows narrower than its vectors (MobileNetV2's 14 x 14, 10 x 8 and 7 x 7 maps under
-16-lane tiles), the rows are instead moved in chunks: as many whole vectors as fit, then at
-most one chunk of each narrower power of two down to MIN_CHUNK_LANES, then the elements left
-one at a time. A 14-wide row is an 8-lane chunk, a 4-lane chunk and two elements.
+only when every access in the loop is a ramp from the guard's base.
 
-- `chunk_loops` builds those loops for a caller's chunk body (padding.py packs rows with it);
-- `chunked_write_back` rewrites a kernel's checked write-back rows into chunks of the row's
-  valid columns, each chunk a loop the vectorizer widens (the epilogue is computed per chunk;
-  computing it once for the whole vector into a row buffer and copying from there was 1.4-1.6x
-  slower on 4- to 8-wide rows, the narrow loads waiting on the wide store).
+- `chunk_steps` moves a row of symbolic width in chunks: a loop of whole vectors, then at most
+  one chunk of each narrower power of two down to MIN_CHUNK_LANES, each under an `if`, then
+  the few elements left, each under an `if` (a 14-wide row: an 8-lane chunk, a 4-lane chunk
+  and two elements). Loops with a symbolic trip count of 0-3 cost more than their work:
+  LLVM's loop vectorizer gives each one a vector body, trip-count checks and a remainder, per
+  packed row (a depthwise conv over 1 x 192 x 28 x 28 ran 1.8x slower than the same code with
+  static shapes). padding.py packs rows with it.
+- `chunked_write_back` rewrites a kernel's checked write-back rows (maps narrower than a
+  vector: MobileNetV2's 14 x 14, 10 x 8 and 7 x 7 maps under 16-lane tiles) into one masked
+  vector store per row (TVM's masked_store of the row's valid columns).
 """
 
 from __future__ import annotations
@@ -29,25 +30,35 @@ from .tail_tiles import all_of, conjuncts, rewrite_loop_nest
 MIN_CHUNK_LANES = 4
 
 
-def chunk_loops(available, lanes: int, index_type: str,
+def chunk_steps(available, lanes: int, index_type: str,
                 chunk_body: Callable[[object, int], tirx.Stmt]) -> tuple[list[tirx.Stmt], object]:
-    """Loops running `chunk_body(offset, count)` over [0, available) in chunks of `lanes`, then
-    one of each narrower power of two that fits, down to MIN_CHUNK_LANES (or `lanes`, if
-    narrower). Returns the loops and how many elements they cover; the caller handles the
-    rest one at a time."""
+    """Statements running `chunk_body(offset, count)` over [0, available) in chunks: a loop of
+    `lanes`-wide ones, then an `if` for each narrower power of two down to MIN_CHUNK_LANES (or
+    `lanes`, if narrower); at most one of each fits. Returns them and how many elements they
+    cover: fewer than `narrowest_chunk(lanes)` are left (`element_steps` does those)."""
     analyzer = tvm.sym.Analyzer()
-    done = tirx.const(0, index_type)
-    loops = []
-    count = lanes
-    while count >= min(MIN_CHUNK_LANES, lanes):
-        chunks = tirx.floordiv(tirx.max(available - done, 0), count)
-        chunks = analyzer.simplify(chunks if count == lanes else tirx.min(chunks, 1))
-        var = tirx.Var("k", index_type)
-        loops.append(tirx.For(var, tirx.const(0, index_type), chunks, tirx.ForKind.SERIAL,
-                              chunk_body(done + var * count, count)))
-        done = analyzer.simplify(done + chunks * count)
+    var = tirx.Var("k", index_type)
+    full = analyzer.simplify(tirx.floordiv(tirx.max(available, 0), lanes))
+    steps = [tirx.For(var, tirx.const(0, index_type), full, tirx.ForKind.SERIAL,
+                      chunk_body(var * lanes, lanes))]
+    done = analyzer.simplify(full * lanes)
+    count = lanes // 2
+    while count >= narrowest_chunk(lanes):
+        fits = analyzer.simplify(available - done >= count)
+        steps.append(tirx.IfThenElse(fits, chunk_body(done, count), None))
+        done = analyzer.simplify(done + tirx.floordiv(tirx.max(available - done, 0), count) * count)
         count //= 2
-    return loops, done
+    return steps, done
+
+
+def element_steps(begin, end, most: int, body: Callable[[object], tirx.Stmt]) -> list[tirx.Stmt]:
+    """`body(j)` for each j in [begin, end), which holds at most `most` elements, under an `if`
+    each."""
+    return [tirx.IfThenElse(begin + t < end, body(begin + t), None) for t in range(most)]
+
+
+def narrowest_chunk(lanes: int) -> int:
+    return min(MIN_CHUNK_LANES, lanes)
 
 
 def chunked_write_back(func: tirx.PrimFunc, block_name: str) -> tirx.PrimFunc:
