@@ -443,7 +443,7 @@ def _column_tile_rewrites(sch: s_tir.Schedule, version: str, row_iters: dict, ti
     576-channel 14x14 depthwise layer at 10 GMAC/s). The write-back is shifted like the tile so
     that all blocks index the tile alike and its buffer compacts to one tile (indexed
     differently, it kept the output's symbolic width: 2x slower); it keeps its bounds check,
-    and row_chunks.chunked_write_back then stores each row's valid columns in vector chunks.
+    and row_chunks.masked_row_write_back then stores each row with one masked vector store.
     """
     if version == ROW_TILES:
         return [("shift", row_iters, tile_columns, row_extent)]

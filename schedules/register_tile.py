@@ -30,7 +30,7 @@ from tvm import s_tir, tirx
 
 from .isa import VectorISA
 from .padding import vector_packing_rows
-from .row_chunks import chunked_write_back
+from .row_chunks import masked_row_write_back
 from .tail_tiles import restrict_loop, shift_tail_tile
 
 KERNEL_ANNOTATION = "tightfit.kernel"
@@ -144,7 +144,7 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
     last tile back (tail_tiles.shift_tail_tile), ("restrict", loop var, extent) cuts a loop
     (tail_tiles.restrict_loop), ("pack_rows", block name, lanes) writes a packing stage in
     vectors (padding.vector_packing_rows), ("write_rows", block name) stores a checked
-    write-back's rows in vector chunks (row_chunks.chunked_write_back)."""
+    write-back's rows with masked vector stores (row_chunks.masked_row_write_back)."""
     for rewrite in rewrites:
         if rewrite[0] == "shift":
             _, row_iters, rows, extent, *keep_checks = rewrite
@@ -153,7 +153,7 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
             _, block_name, lanes = rewrite
             func = vector_packing_rows(func, block_name, lanes)
         elif rewrite[0] == "write_rows":
-            func = chunked_write_back(func, rewrite[1])
+            func = masked_row_write_back(func, rewrite[1])
         else:
             _, loop_var, extent = rewrite
             func = restrict_loop(func, loop_var, extent)
