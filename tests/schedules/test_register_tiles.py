@@ -22,7 +22,8 @@ from tightfit.testing import zoo
 LOWER_TO_FLAT_BUFFERS = tvm.transform.Sequential([
     s_tir.transform.LowerInitBlock(), s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
     s_tir.transform.ConvertBlocksToOpaque(), s_tir.transform.CompactBufferAllocation(),
-    s_tir.transform.LowerOpaqueBlock(), tirx.transform.FlattenBuffer(),
+    s_tir.transform.LowerMatchBuffer(), s_tir.transform.LowerOpaqueBlock(),
+    tirx.transform.FlattenBuffer(),
     s_tir.transform.StmtSimplify()])
 # an index that still divides, takes a remainder or clamps is not a constant offset
 NOT_CONSTANT_OFFSET = re.compile(r"//|%|T\.max|T\.min")
