@@ -257,8 +257,7 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     reductions = sch.get_loops(tiles)[tile_row_axis + 1:]
     o_outer, o_inner = sch.split(o, [None, channel_rows])
     pack_rows = [("pack_rows", sch.get(block).name_hint, isa.lanes)
-                 for block in sch.get_producers(tiles)
-                 if STAGE_ANNOTATION in sch.get(block).annotations]
+                 for block in _packing_stages(sch, tiles)]
     reads_padded_input = bool(pack_rows)
     if version == ROW_TILES or reads_padded_input:
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
@@ -409,7 +408,7 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     stack array in registers (isa.py).
     """
     n, c, oh, ow, ry, rx = sch.get_loops(tiles)
-    packing = _packing_stage(sch, tiles)
+    packing, = _packing_stages(sch, tiles)  # a depthwise kernel has one
     oh_outer, oh_inner = sch.split(oh, [None, DEPTHWISE_ROWS])
     ow_outer, ow_lane = sch.split(ow, [None, vector_width])
     sch.reorder(n, c, oh_outer, ow_outer, ry, rx, oh_inner, ow_lane)
@@ -464,11 +463,9 @@ def _copy_filter_per_channel(sch: s_tir.Schedule, tiles, channel) -> None:
     sch.compute_at(sch.cache_read(tiles, weight_index, "global"), channel)
 
 
-def _packing_stage(sch: s_tir.Schedule, tiles):
-    producers = [block for block in sch.get_producers(tiles)
-                 if STAGE_ANNOTATION in sch.get(block).annotations]
-    assert len(producers) == 1, "a depthwise kernel has one packing stage"
-    return producers[0]
+def _packing_stages(sch: s_tir.Schedule, tiles) -> list:
+    return [block for block in sch.get_producers(tiles)
+            if STAGE_ANNOTATION in sch.get(block).annotations]
 
 
 def _fuse_outer_loops(sch: s_tir.Schedule, loops: list, parallel: bool):

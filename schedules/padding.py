@@ -30,7 +30,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from .row_chunks import chunk_steps, element_steps, narrowest_chunk
-from .tail_tiles import rewrite_loop_nest
+from .tail_tiles import rewrite_loop_nest, uses_any
 
 # On a packing stage built by conv2d.pack_input_phases: [top, left, stride_w]
 PADDING_ANNOTATION = "tightfit.padding"
@@ -69,14 +69,9 @@ def _row_loop_realize(loop: tirx.For) -> s_tir.SBlockRealize | None:
     if not isinstance(inner, s_tir.SBlockRealize) or len(inner.iter_values) != 5:
         return None
     offset = tvm.sym.Analyzer().simplify(inner.iter_values[2] - loop.loop_var)
-    if _uses_any(offset, [loop.loop_var, *inner_vars]) or _uses_any(inner.predicate, inner_vars):
+    if uses_any(offset, [loop.loop_var, *inner_vars]) or uses_any(inner.predicate, inner_vars):
         return None
     return inner
-
-
-def _uses_any(expr, variables) -> bool:
-    used = tirx.analysis.undefined_vars(expr)
-    return any(var.same_as(u) for var in variables for u in used)
 
 
 def _packed_row(realize: s_tir.SBlockRealize, lanes: int):

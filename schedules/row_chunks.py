@@ -1,8 +1,9 @@
 """Rows of a symbolic width in vector chunks instead of a check per element.
 
 TVM 0.27 scalarizes a vectorized loop whose body is guarded per element (`if column < width`):
-its vectorizer turns such a guard into a masked store only on scalable-vector targets, and
-only when every access in the loop is a ramp from the guard's base.
+its vectorizer makes such a guard a masked store (buffer-level predication, on in
+pipeline.BUILD_CONFIG) only when every access in the loop is a ramp from the guard's base,
+which a write-back's loads of its tile and bias are not.
 
 - `chunk_steps` moves a row of symbolic width in chunks: a loop of whole vectors, then at most
   one chunk of each narrower power of two down to MIN_CHUNK_LANES, each under an `if`, then
@@ -24,7 +25,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.tirx.op import masked_store
 
-from .tail_tiles import all_of, conjuncts, rewrite_loop_nest
+from .tail_tiles import all_of, conjuncts, rewrite_loop_nest, uses_any
 
 # The narrowest chunk: AVX-512's quarter vector, NEON's whole one.
 MIN_CHUNK_LANES = 4
@@ -92,9 +93,10 @@ def _masked_row(columns: tirx.For, params) -> s_tir.SBlockRealize | None:
     realize = columns.body
     block = realize.block
     lane = columns.loop_var
-    checks = [c for c in conjuncts(realize.predicate) if _uses(c, lane)]
-    if not checks or not isinstance(block.body, tirx.BufferStore):
-        return None
+    row_checks = [c for c in conjuncts(realize.predicate) if not uses_any(c, [lane])]
+    if len(row_checks) == len(conjuncts(realize.predicate)) \
+            or not isinstance(block.body, tirx.BufferStore):
+        return None  # no column check to replace
     bindings = {iv.var: value for iv, value in zip(block.iter_vars, realize.iter_values)}
     reads = [_region_over_lanes(region, bindings, lane, columns.extent) for region in block.reads]
     if any(any(region.source.same_as(param) for param in params)
@@ -121,7 +123,6 @@ def _masked_row(columns: tirx.For, params) -> s_tir.SBlockRealize | None:
         out, tirx.BufferLoad(row, [lanes]), *indices[:-1],
         tirx.Ramp(first, tirx.const(1, index_type), count), lanes < tirx.Broadcast(valid, count)))
     body = tirx.SeqStmt([compute, store])
-    row_checks = [c for c in conjuncts(realize.predicate) if not _uses(c, lane)]
     if row_checks:
         body = tirx.IfThenElse(all_of(row_checks), body, None)
     whole = tvm.ir.Range.from_min_extent
@@ -136,7 +137,7 @@ def _region_over_lanes(region: tirx.BufferRegion, bindings: dict, lane: tirx.Var
     ranges = []
     for dim in region.region:
         start = _substitute(dim.min, bindings)
-        if _uses(start, lane):
+        if uses_any(start, [lane]):
             start = _substitute(start, {lane: tirx.const(0, lane.ty.dtype)})
             ranges.append(tvm.ir.Range.from_min_extent(start, lanes))
         else:
@@ -155,7 +156,3 @@ def _substitute(expr, bindings: dict):
 
 def _is_one(extent) -> bool:
     return isinstance(extent, tirx.IntImm) and extent.value == 1
-
-
-def _uses(expr, var: tirx.Var) -> bool:
-    return any(var.same_as(used) for used in tirx.analysis.undefined_vars(expr))

@@ -64,8 +64,7 @@ def shift_tail_tile(func: tirx.PrimFunc, row_iters: dict[str, int], tile: int,
         if realize.block.name_hint in keep_checks:
             return s_tir.SBlockRealize(values, realize.predicate, realize.block)
         inner_vars = tirx.analysis.undefined_vars(row_in_tile)
-        kept = [c for c in conjuncts(realize.predicate)
-                if not any(v.same_as(u) for v in inner_vars for u in tirx.analysis.undefined_vars(c))]
+        kept = [c for c in conjuncts(realize.predicate) if not uses_any(c, inner_vars)]
         return s_tir.SBlockRealize(values, all_of(kept), realize.block)
 
     def bind_loop(loop: tirx.For) -> None:
@@ -118,6 +117,12 @@ def rewrite_loop_nest(stmt, on_realize: Callable, on_for: Callable | None = None
         return on_realize(s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, new_block))
     return stmt
 
+
+
+def uses_any(expr, variables) -> bool:
+    """Whether `expr` reads any of `variables`."""
+    used = tirx.analysis.undefined_vars(expr)
+    return any(var.same_as(u) for var in variables for u in used)
 
 
 def conjuncts(expr) -> list:

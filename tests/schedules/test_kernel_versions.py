@@ -139,6 +139,16 @@ def assert_matches_onnxruntime(model, kernel, knob_database, feeds_at, extents,
                                        err_msg=f"{model.graph.name} at extent {extent}")
 
 
+def _scheduled_kernel(model, kernel_name: str, knob_database: str,
+                      conv_algorithms=None) -> str:
+    """The TVMScript of `model`'s scheduled PrimFunc whose name holds `kernel_name`."""
+    options = PipelineOptions(knob_database=knob_database, conv_algorithms=conv_algorithms)
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    return next(func.script() for global_var, func in scheduled.functions.items()
+                if kernel_name in global_var.name_hint)
+
+
 def _normal(*shape) -> np.ndarray:
     return np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
 
@@ -227,11 +237,7 @@ def test_depthwise_packing_rows_match_onnxruntime_at_vector_edges(knob_database,
                      2 * lanes + 1, 3 * stride * lanes + 5,
                      stride * (lanes + lanes // 2 + lanes // 4) + 3})
     model = conv_model(6, 6, groups=6, stride=stride, pads=pads)
-    options = PipelineOptions(conv_algorithms=("depthwise",))
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
-                                stop_after="tightfit.FallbackCPUSchedule")
-    kernel = next(func.script() for global_var, func in scheduled.functions.items()
-                  if "depthwise" in global_var.name_hint)
+    kernel = _scheduled_kernel(model, "depthwise", knob_database, ("depthwise",))
     assert "if_then_else" not in kernel  # no check per packed element
     assert ("T.Shuffle" in kernel) == (stride == 2)
     # stores through a view of the row: compacting the packed buffer over each chunk's own
@@ -255,24 +261,11 @@ def test_depthwise_packing_rows_after_a_strided_conv_over_a_symbolic_height(knob
                    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "h", "w"])],
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, None, None])],
                    [_weight(rng, "w1", (6, 3, 3, 3)), _weight(rng, "w2", (6, 1, 3, 3))])
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
-                                PipelineOptions(knob_database=knob_database),
-                                stop_after="tightfit.FallbackCPUSchedule")
-    kernel = next(func.script() for global_var, func in scheduled.functions.items()
-                  if "depthwise" in global_var.name_hint)
-    assert "if_then_else" not in kernel
+    assert "if_then_else" not in _scheduled_kernel(model, "depthwise", knob_database)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     assert_matches_onnxruntime(model, "conv2d_depthwise", knob_database,
                                lambda w: {"x": _normal(1, 3, w // 2 + 3, w)},
                                [9, 4 * lanes - 3, 8 * lanes + 6])
-
-
-def _scheduled_kernel(model, kernel_name: str, knob_database: str) -> str:
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
-                                PipelineOptions(knob_database=knob_database),
-                                stop_after="tightfit.FallbackCPUSchedule")
-    return next(func.script() for global_var, func in scheduled.functions.items()
-                if kernel_name in global_var.name_hint)
 
 
 @pytest.mark.parametrize("groups", [6, 1], ids=["depthwise", "width_vectors"])
