@@ -7,6 +7,7 @@ from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
 from .select_conv_algorithm import SelectConvAlgorithm
 from .select_gemm_kernel import SelectGemmKernel
+from .share_symbolic_storage import ShareSymbolicStorage
 from .use_fast_math import UseFastMath
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "RankDimensionPropagation",
     "SelectConvAlgorithm",
     "SelectGemmKernel",
+    "ShareSymbolicStorage",
     "UseFastMath",
 ]

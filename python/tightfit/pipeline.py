@@ -26,6 +26,7 @@ from .passes import (
     RankDimensionPropagation,
     SelectConvAlgorithm,
     SelectGemmKernel,
+    ShareSymbolicStorage,
     UseFastMath,
 )
 from .schedules import FallbackCPUSchedule, ScheduleKernels
@@ -85,12 +86,14 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         *([_apply_tuning_records(options.tuning_database, target)] if options.tuning_database else []),
         *([ScheduleKernels(options.knob_database)] if options.fast_kernels else []),
         *([FallbackCPUSchedule(options.knob_database)] if options.fallback_schedule else []),
-        # 5. lower dataflow to VM code; plan memory
+        # 5. lower dataflow to VM code; plan memory: TVM's plan shares storage between equal
+        #    sizes, then storages of different symbolic sizes are shared (SoD2 §4.4.1)
         relax.transform.RewriteDataflowReshape(),
         relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(),
         relax.transform.CallTIRRewrite(),
         relax.transform.StaticPlanBlockMemory(),
+        ShareSymbolicStorage(),
         relax.transform.LowerAllocTensor(),
         relax.transform.KillAfterLastUse(),
         relax.transform.LowerRuntimeBuiltin(),
