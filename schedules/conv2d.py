@@ -427,9 +427,12 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     out_name = sch.get(out_block).name_hint
     row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3, out_name: out_row_axis}
     sch.vectorize(sch.get_loops(out_block)[-1])
+    # the SINGLE_ROW version runs on maps narrower than a tile (dispatch.row_buckets)
+    narrow = version != ROW_TILES and not isinstance(row_extent, (int, tirx.IntImm))
+    version_condition = [row_extent < vector_width] if narrow else []
     return (_column_tile_rewrites(sch, version, row_iters, vector_width, row_extent, out_name,
                                   ow_outer)
-            + [("pack_rows", sch.get(packing).name_hint, vector_width)])
+            + [("pack_rows", sch.get(packing).name_hint, vector_width, *version_condition)])
 
 
 def _column_tile_rewrites(sch: s_tir.Schedule, version: str, row_iters: dict, tile_columns: int,

@@ -36,10 +36,13 @@ from .tail_tiles import rewrite_loop_nest, uses_any
 PADDING_ANNOTATION = "tightfit.padding"
 
 
-def vector_packing_rows(func: tirx.PrimFunc, block_name: str, lanes: int) -> tirx.PrimFunc:
+def vector_packing_rows(func: tirx.PrimFunc, block_name: str, lanes: int,
+                        version_condition=None) -> tirx.PrimFunc:
     """`func` with the loops (row, phase, column) of packing block `block_name`, which must be
     the block's own innermost loops, replaced by the per-row loops above (`lanes` per vector).
-    Stride 1 and 2 (the phases two shuffles split); other strides are left as they are."""
+    Stride 1 and 2 (the phases two shuffles split); other strides are left as they are.
+    `version_condition`, when given, holds wherever this version of the kernel runs (a map
+    narrower than a tile: the packed rows then have a static width)."""
 
     def replace(loop: tirx.For):
         realize = _row_loop_realize(loop)
@@ -47,7 +50,7 @@ def vector_packing_rows(func: tirx.PrimFunc, block_name: str, lanes: int) -> tir
             return None
         if int(realize.block.annotations[PADDING_ANNOTATION][2]) not in (1, 2):
             return None
-        row = _packed_row(realize, lanes)
+        row = _packed_row(realize, lanes, version_condition)
         if not (isinstance(realize.predicate, tirx.IntImm) and realize.predicate.value):
             row = tirx.IfThenElse(realize.predicate, row, None)
         return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, row)
@@ -74,7 +77,7 @@ def _row_loop_realize(loop: tirx.For) -> s_tir.SBlockRealize | None:
     return inner
 
 
-def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
+def _packed_row(realize: s_tir.SBlockRealize, lanes: int, version_condition):
     block = realize.block
     top, left, stride = (int(v) for v in block.annotations[PADDING_ANNOTATION])
     n, c = realize.iter_values[:2]
@@ -82,6 +85,10 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
     data = block.body.value.args[1].source
     height, width = data.shape[2], data.shape[3]
     phase_w = packed.shape[4]
+    if version_condition is not None:
+        analyzer = tvm.sym.Analyzer()
+        with analyzer.constraint_scope(version_condition):
+            phase_w = analyzer.simplify(phase_w)
     row = realize.iter_values[2]
     index_type = row.ty.dtype
 
@@ -136,6 +143,17 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
             return store(phase, j, input_at(j * stride + phase - left))
         copies += element_steps(first[phase] + copied, end[phase], most_left, copy)
 
+    def whole_row_zeros(phase):
+        """Zeros over a phase of static width: whole vectors, then narrower ones."""
+        stores, done, count = [], 0, lanes
+        while done < phase_w.value:
+            while done + count > phase_w.value:
+                count //= 2
+            value = tirx.const(0, packed.dtype)
+            stores.append(store(phase, done, value if count == 1 else tirx.Broadcast(value, count), count))
+            done += count
+        return stores
+
     def zeros(phase, begin, end_, most_left):
         """Zeros over [begin, end_) of a phase: vector chunks, then single elements."""
         def chunk(j, count=1):
@@ -146,14 +164,23 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int):
         chunks, zeroed = chunk_steps(end_ - begin, lanes, index_type, chunk)
         return chunks + element_steps(zeroed, end_ - begin, most_left, chunk)
 
-    # A row inside the image zeroes only its padding columns: LLVM turns a loop of zero stores
-    # into a memset call, once per packed row (1.8x slower depthwise convs on 28 x 28 maps).
-    edges = []
-    for phase in range(stride):
-        edges += [store(phase, j, tirx.const(0, packed.dtype)) for j in range(first[phase])]
-        edges += zeros(phase, end[phase], phase_w, narrowest_chunk(lanes) - 1)
-    outside = [stmt for phase in range(stride)
-               for stmt in zeros(phase, 0, phase_w, narrowest_chunk(lanes) - 1)]
+    if isinstance(phase_w, tirx.IntImm):
+        # A row of static width (a map narrower than a tile) is zeroed whole, in static vector
+        # stores, and the copies then overwrite its inside: zeroing from the symbolic end of
+        # the image row takes a chunk loop and `if`s per row (a third of a stride-2 depthwise
+        # conv over 1 x 576 x 14 x 14).
+        edges = [stmt for phase in range(stride) for stmt in whole_row_zeros(phase)]
+        outside = edges
+    else:
+        # A row inside the image zeroes only its padding columns: LLVM turns a loop of zero
+        # stores into a memset call, once per packed row (1.8x slower depthwise convs on
+        # 28 x 28 maps).
+        edges = []
+        for phase in range(stride):
+            edges += [store(phase, j, tirx.const(0, packed.dtype)) for j in range(first[phase])]
+            edges += zeros(phase, end[phase], phase_w, narrowest_chunk(lanes) - 1)
+        outside = [stmt for phase in range(stride)
+                   for stmt in zeros(phase, 0, phase_w, narrowest_chunk(lanes) - 1)]
     inside = tirx.And(row >= top, row < height + top)
     body = tirx.IfThenElse(inside, tirx.SeqStmt(edges + copies), tirx.SeqStmt(outside))
     reads = [tirx.BufferRegion(data, [whole(n, 1), whole(c, 1), whole(0, height), whole(0, width)])]
