@@ -3,12 +3,13 @@
 SoD2 §4.4.1 (memory plans with symbolic sizes). TVM's StaticPlanBlockMemory, which runs first,
 reuses a storage for a tensor of symbolic size only when the two sizes are provably equal, so a
 CNN with a symbolic batch and image size gets one storage per distinct size expression:
-MobileNetV2 keeps 31 live across a run where its static plan needs 7. Every extra storage is
-memory the run touches once and that has left the cache by the next run.
+MobileNetV2 allocates 31 in a run where its static plan needs 7. Every extra storage is memory
+the run touches once and that has left the cache by the next run.
 
-This pass merges the storages TVM planned, greedily in execution order (the greedy best fit of
-SoD2's baseline, on symbolic sizes): a storage allocated after another's last use takes that
-storage over, and the shared storage's size becomes the larger of the two, `max(a, b)` as an
+This pass merges the storages TVM planned, greedily in execution order (greedy best fit on
+symbolic sizes, the strategy SoD2 measures its own against; SoD2's order from the peak is not
+done here): a storage allocated after another's last use takes that storage over, and the
+shared storage's size becomes the larger of the two, `max(a, b)` as an
 expression of the function's symbolic dims that the VM evaluates when it allocates. A max is
 never more than the sum of the storages it replaces, so no shape needs more memory than before.
 Which free storage to take is decided at a nominal shape (every symbolic dim NOMINAL_DIM) where
@@ -135,7 +136,6 @@ def _storages_of_block(bindings, used_after: set[relax.Var]) -> dict[relax.Var, 
 
 def _share(storages: list[_Storage], sizes: _Sizes) -> dict[relax.Var, _SharedStorage]:
     """Assign each storage, in allocation order, to a shared storage: a free one where possible."""
-
     shared: list[_SharedStorage] = []
     owner: dict[relax.Var, _SharedStorage] = {}
     for storage in storages:
