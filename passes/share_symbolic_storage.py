@@ -31,12 +31,16 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
+from .rdp_lattice import describe_dim
+
 # The value every symbolic dim takes when two sizes that no proof orders are compared to choose
 # a storage: the choice changes how much memory is shared, never whether a plan is correct.
 NOMINAL_DIM = 64
 # A shared storage's size keeps at most this many terms in its max() (each one a multiply the
 # VM evaluates per run, and a longer expression for later comparisons).
 MAX_SIZE_TERMS = 8
+# The function attribute listing the sizes of the storages left, as expressions of its dims.
+STORAGE_BYTES_ATTR = "tightfit.storage_bytes"
 
 
 class _Sizes:
@@ -199,8 +203,24 @@ def _rewrite_nested(binding, sizes: _Sizes):
     return relax.VarBinding(binding.var, branched)
 
 
+def storage_sizes(seq: relax.SeqExpr) -> list[tirx.PrimExpr]:
+    """The size in bytes of every storage `seq` allocates, `If` branches included."""
+    sizes = []
+    for block in seq.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if _is_op(value, "relax.memory.alloc_storage"):
+                sizes.append(value.args[0].values[0])
+            elif isinstance(value, relax.If):
+                sizes += storage_sizes(value.true_branch) + storage_sizes(value.false_branch)
+    return sizes
+
+
 @tvm.transform.module_pass(opt_level=0, name="tightfit.ShareSymbolicStorage")
 class ShareSymbolicStorage:
+    """Rewrites each Relax function's storages as above, and records the sizes of those left in
+    its STORAGE_BYTES_ATTR attribute (as text: the compile report lists them)."""
+
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         builder = relax.BlockBuilder(mod)
         for global_var, func in mod.functions.items():
@@ -208,5 +228,6 @@ class ShareSymbolicStorage:
                 continue
             body = _rewrite_seq(func.body, _Sizes(func))
             rewritten = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+            rewritten = rewritten.with_attr(STORAGE_BYTES_ATTR, [describe_dim(size) for size in storage_sizes(body)])
             builder.update_func(global_var, builder.normalize(rewritten))
         return builder.get()

@@ -15,6 +15,7 @@ from tvm import relax, tirx
 from .errors import CompilationError, CorruptPackageError, PackageError, StalePackageError
 from .frontend import import_onnx
 from .package import Package, SourceModel, load_package, read_manifest
+from .passes.share_symbolic_storage import STORAGE_BYTES_ATTR
 from .pipeline import BUILD_CONFIG, PipelineOptions, codegen_target, fresh_outputs, run_pipeline, split_weights
 from .target import resolve_target
 
@@ -57,6 +58,8 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
         "kernels": sum(isinstance(f, tirx.PrimFunc) for f in lowered.functions.values()),
         "weights": len(weights),
         "weight_bytes": int(sum(w.value.nbytes for w in weights)),
+        # the intermediate tensors' storages, each sized by an expression of the input dims
+        "activation_storages": [str(size) for size in lowered["main"].attrs.get(STORAGE_BYTES_ATTR, [])],
     }
     source = (SourceModel.of_proto(proto) if isinstance(model, onnx.ModelProto)
               else SourceModel.of_file(model))

@@ -187,9 +187,12 @@ def _compile(args) -> int:
                                    dump_ir=args.dump_ir, on_pass=advance)
     package.save(output)
     weight_file = package.report["weight_file"]
+    storages = package.report.get("activation_storages", [])
     summary = {"package": str(output), "compile_seconds": package.report["compile_seconds"],
-               "kernels": package.report["kernels"], "weight_file": weight_file}
+               "kernels": package.report["kernels"], "activation_storages": storages,
+               "weight_file": weight_file}
     _emit(args, summary, f"wrote {output} ({summary['kernels']} kernels, "
+                         f"intermediate tensors in {len(storages)} storages, "
                          f"{weight_file['payload_bytes'] / 1e6:.2f} MB of weights in "
                          f"{weight_file['blobs']} blobs, {weight_file['dedup_saved_bytes'] / 1e6:.2f} MB "
                          f"saved by dedup, {summary['compile_seconds']:.1f} s)")

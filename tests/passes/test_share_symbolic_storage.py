@@ -125,7 +125,11 @@ def test_mobilenet_style_storages_are_shared_across_symbolic_sizes_and_outputs_m
     # TVM's plan keeps a storage per distinct symbolic size; sharing leaves a few
     assert storage_count(shared) <= 4 < storage_count(tvm_plan)
     model = zoo.get("mobilenet_v2_style").build()
-    session = tightfit.compile(model).session()
+    package = tightfit.compile(model)
+    # the compile report lists them, sized by the input's dims
+    storages = package.report["activation_storages"]
+    assert len(storages) == storage_count(shared) and all("height" in size for size in storages)
+    session = package.session()
     reference = onnxruntime.InferenceSession(model.SerializeToString())
     for shape in [(1, 3, 64, 64), (2, 3, 96, 80), (1, 3, 33, 17)]:
         image = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
