@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
+from .classify_dynamism import op_key
 from .rdp_lattice import describe_dim
 
 # The value every symbolic dim takes when two sizes that no proof orders are compared to choose
@@ -96,10 +97,6 @@ class _SharedStorage:
         self.busy_until = max(self.busy_until, storage.last_use)
 
 
-def _is_op(value: relax.Expr, name: str) -> bool:
-    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == name
-
-
 def _storages_of_block(bindings, used_after: set[relax.Var]) -> dict[relax.Var, _Storage]:
     """Each storage the block allocates, with the position of the last binding that may read
     memory in it: through a tensor allocated in it, or any value made from one (a reshape is a
@@ -114,14 +111,14 @@ def _storages_of_block(bindings, used_after: set[relax.Var]) -> dict[relax.Var, 
 
     for position, binding in enumerate(bindings):
         value = binding.value
-        if _is_op(value, "relax.memory.alloc_storage"):
+        if op_key(value) == "relax.memory.alloc_storage":
             (size,) = value.args[0].values
             kind = (int(value.args[1].value), value.args[2].value, str(value.args[3].value))
             storages[binding.var] = _Storage(binding.var, position, size, kind, last_use=position)
             holders[binding.var] = {binding.var}
             continue
         for var in relax.analysis.free_vars(value):
-            if var in storages and not (_is_op(value, "relax.memory.alloc_tensor") and value.args[0].same_as(var)):
+            if var in storages and not (op_key(value) == "relax.memory.alloc_tensor" and value.args[0].same_as(var)):
                 storages[var].shareable = False  # read some other way than as a tensor's home
         if isinstance(value, relax.TupleGetItem) and value.tuple_value in field_holders:
             held = field_holders[value.tuple_value][value.index]
@@ -176,7 +173,7 @@ def _rewrite_block(block: relax.BindingBlock, used_after: set[relax.Var], sizes:
             if len(group.members) > 1:
                 sized = relax.ShapeExpr([group.size])
                 value = relax.Call(value.op, [sized, *value.args[1:]], value.attrs, value.ty_args)
-        elif _is_op(value, "relax.memory.alloc_tensor") and value.args[0] in owner:
+        elif op_key(value) == "relax.memory.alloc_tensor" and value.args[0] in owner:
             home = owner[value.args[0]].head.var
             value = relax.Call(value.op, [home, *value.args[1:]], value.attrs, value.ty_args)
         rewritten.append(relax.VarBinding(binding.var, value) if isinstance(binding, relax.VarBinding)
@@ -209,7 +206,7 @@ def storage_sizes(seq: relax.SeqExpr) -> list[tirx.PrimExpr]:
     for block in seq.blocks:
         for binding in block.bindings:
             value = binding.value
-            if _is_op(value, "relax.memory.alloc_storage"):
+            if op_key(value) == "relax.memory.alloc_storage":
                 sizes.append(value.args[0].values[0])
             elif isinstance(value, relax.If):
                 sizes += storage_sizes(value.true_branch) + storage_sizes(value.false_branch)

@@ -143,17 +143,6 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int, version_condition):
             return store(phase, j, input_at(j * stride + phase - left))
         copies += element_steps(first[phase] + copied, end[phase], most_left, copy)
 
-    def whole_row_zeros(phase):
-        """Zeros over a phase of static width: whole vectors, then narrower ones."""
-        stores, done, count = [], 0, lanes
-        while done < phase_w.value:
-            while done + count > phase_w.value:
-                count //= 2
-            value = tirx.const(0, packed.dtype)
-            stores.append(store(phase, done, value if count == 1 else tirx.Broadcast(value, count), count))
-            done += count
-        return stores
-
     def zeros(phase, begin, end_, most_left):
         """Zeros over [begin, end_) of a phase: vector chunks, then single elements."""
         def chunk(j, count=1):
@@ -164,13 +153,16 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int, version_condition):
         chunks, zeroed = chunk_steps(end_ - begin, lanes, index_type, chunk)
         return chunks + element_steps(zeroed, end_ - begin, most_left, chunk)
 
+    def whole_row_zeros():
+        return [stmt for phase in range(stride)
+                for stmt in zeros(phase, 0, phase_w, narrowest_chunk(lanes) - 1)]
+
     if isinstance(phase_w, tirx.IntImm):
-        # A row of static width (a map narrower than a tile) is zeroed whole, in static vector
-        # stores, and the copies then overwrite its inside: zeroing from the symbolic end of
-        # the image row takes a chunk loop and `if`s per row (a third of a stride-2 depthwise
-        # conv over 1 x 576 x 14 x 14).
-        edges = [stmt for phase in range(stride) for stmt in whole_row_zeros(phase)]
-        outside = edges
+        # A row of static width (a map narrower than a tile) is zeroed whole, in stores whose
+        # offsets and count are static, and the copies then overwrite its inside: zeroing from
+        # the symbolic end of the image row takes a chunk loop and `if`s per row (a third of a
+        # stride-2 depthwise conv over 1 x 576 x 14 x 14).
+        edges = whole_row_zeros()
     else:
         # A row inside the image zeroes only its padding columns: LLVM turns a loop of zero
         # stores into a memset call, once per packed row (1.8x slower depthwise convs on
@@ -179,8 +171,7 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int, version_condition):
         for phase in range(stride):
             edges += [store(phase, j, tirx.const(0, packed.dtype)) for j in range(first[phase])]
             edges += zeros(phase, end[phase], phase_w, narrowest_chunk(lanes) - 1)
-        outside = [stmt for phase in range(stride)
-                   for stmt in zeros(phase, 0, phase_w, narrowest_chunk(lanes) - 1)]
+    outside = whole_row_zeros()
     inside = tirx.And(row >= top, row < height + top)
     body = tirx.IfThenElse(inside, tirx.SeqStmt(edges + copies), tirx.SeqStmt(outside))
     reads = [tirx.BufferRegion(data, [whole(n, 1), whole(c, 1), whole(0, height), whole(0, width)])]

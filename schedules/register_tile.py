@@ -143,8 +143,9 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
     """Apply a schedule's rewrites of the finished PrimFunc, in order: ("shift", ...) shifts the
     last tile back (tail_tiles.shift_tail_tile), ("restrict", loop var, extent) cuts a loop
     (tail_tiles.restrict_loop), ("pack_rows", block name, lanes[, condition the version runs
-    under]) writes a packing stage in vectors (padding.vector_packing_rows), ("write_rows", block name) stores a checked
-    write-back's rows with masked vector stores (row_chunks.masked_row_write_back)."""
+    under]) writes a packing stage in vectors (padding.vector_packing_rows), ("write_rows",
+    block name) stores a checked write-back's rows with masked vector stores
+    (row_chunks.masked_row_write_back)."""
     for rewrite in rewrites:
         if rewrite[0] == "shift":
             _, row_iters, rows, extent, *keep_checks = rewrite

@@ -187,7 +187,7 @@ def _compile(args) -> int:
                                    dump_ir=args.dump_ir, on_pass=advance)
     package.save(output)
     weight_file = package.report["weight_file"]
-    storages = package.report.get("activation_storages", [])
+    storages = package.report["activation_storages"]
     summary = {"package": str(output), "compile_seconds": package.report["compile_seconds"],
                "kernels": package.report["kernels"], "activation_storages": storages,
                "weight_file": weight_file}
