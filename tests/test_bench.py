@@ -4,7 +4,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tightfit.bench import benchmark_model, markdown_table, run_job_io, run_worker
+import time
+
+from tightfit.bench import _run_for, benchmark_model, markdown_table, run_job_io, run_worker
 
 
 def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
@@ -18,6 +20,16 @@ def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
     assert set(result.peak_rss_mb) == {"tightfit", "onnxruntime", "tvm-default"}
     table = markdown_table([result])
     assert table.count("| mlp |") == 3  # two shapes and the memory row
+
+
+def test_warm_up_runs_until_its_time_is_spent_and_at_least_once():
+    starts = []
+    started = time.perf_counter()
+    _run_for(lambda feeds: starts.append(time.perf_counter()), {}, 0.02)
+    assert len(starts) > 1 and starts[-1] - started >= 0.02
+    slow_starts = []
+    _run_for(lambda feeds: (slow_starts.append(0), time.sleep(0.03)), {}, 0.02)
+    assert len(slow_starts) == 1
 
 
 def test_an_engine_that_cannot_import_the_model_is_reported_not_fatal():

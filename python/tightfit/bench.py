@@ -2,10 +2,13 @@
 
 DESIGN.md "Measuring". For each model and each input shape: the first run at that shape (a shape
 not seen before), then the median of `repeat` timed runs after warm-up. The engines take turns in
-ROUNDS rounds so that drift on the shared machine hits all alike; each turn starts with a pause
-and an untimed run, because onnxruntime's idle threads spin for tens of milliseconds after a run
-and, interleaved run by run, made TVM's thread pool 20x slower (measured: 23.7 ms instead of
-1.2 ms on a small conv net). Engines:
+ROUNDS rounds so that drift on the shared machine hits all alike; each turn starts with a pause,
+because onnxruntime's idle threads spin for tens of milliseconds after a run and, interleaved run
+by run, made TVM's thread pool 20x slower (measured: 23.7 ms instead of 1.2 ms on a small conv
+net). After the pause every engine runs untimed for WARM_UP_PER_TURN_S (at least once): a CPU
+left idle comes back slowly, and one run was not enough (measured on this VM, both engines alike:
+after 0.1 s idle a 23 us model took 250 us, then 30-40 us for the next ten runs, and only after
+about 1 ms of runs its steady 23 us; a 210 us model needed about 4 ms). Engines:
 - tightfit: `tightfit.compile` for the host;
 - onnxruntime: an InferenceSession with default session options (what its users get);
 - tvm-default: `from_onnx` + `tvm.compile(mod, target)` with TVM's default pipeline.
@@ -42,6 +45,7 @@ from .frontend import TensorSpec, declared_inputs, load_onnx
 ENGINES = ("tightfit", "onnxruntime", "tvm-default")
 ROUNDS = 8
 PAUSE_BETWEEN_ENGINES_S = 0.1
+WARM_UP_PER_TURN_S = 0.01
 
 
 @dataclass
@@ -107,7 +111,7 @@ def benchmark_model(
             runs_this_turn = repeat // ROUNDS + (turn < repeat % ROUNDS)
             for engine, run in runners.items():
                 time.sleep(PAUSE_BETWEEN_ENGINES_S)
-                run(feeds)
+                _run_for(run, feeds, WARM_UP_PER_TURN_S)
                 for _ in range(runs_this_turn):
                     started = time.perf_counter()
                     run(feeds)
@@ -117,6 +121,14 @@ def benchmark_model(
     if measure_memory and shape_sets:
         result.peak_rss_mb = _measure_peak_rss(proto, shape_sets[-1], result)
     return result
+
+
+def _run_for(run: Callable, feeds: dict[str, np.ndarray], seconds: float) -> None:
+    """Run at least once, and again until `seconds` have passed."""
+    deadline = time.perf_counter() + seconds
+    run(feeds)
+    while time.perf_counter() < deadline:
+        run(feeds)
 
 
 def tvm_pool_threads() -> int:
@@ -321,7 +333,9 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
     ort_threads = ", ".join(map(str, sorted({r.onnxruntime_threads for r in results})))
     lines += ["", f"Threads: tightfit and tvm-default {tvm_threads} (TVM's pool), onnxruntime "
               f"{ort_threads} (its default: one per physical core); {os.cpu_count()} CPUs on this "
-              f"machine. Median of {repeats} timed runs after warm-up, engines taking turns in {ROUNDS} rounds."]
+              f"machine. Median of {repeats} timed runs after warm-up, engines taking turns in {ROUNDS} rounds, "
+              f"each turn a {PAUSE_BETWEEN_ENGINES_S * 1e3:g} ms pause and {WARM_UP_PER_TURN_S * 1e3:g} ms "
+              "of untimed runs."]
     return "\n".join(lines)
 
 
