@@ -61,9 +61,10 @@ def batched_matmul_model(columns: int) -> onnx.ModelProto:
 
 
 def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3,
-               stride: int = 1, pads: list[int] | None = None) -> onnx.ModelProto:
+               stride: int = 1, pads: list[int] | None = None,
+               height: int | str = 5) -> onnx.ModelProto:
     """kernel x kernel conv, same padding (or `pads`: top, left, bottom, right), over
-    image[1, channels, 5, w], bias and ReLU fused; w is the row extent. kernel 1 is the
+    image[1, channels, height, w], bias and ReLU fused; w is the row extent. kernel 1 is the
     pointwise case, which reads the input unpacked."""
     rng = np.random.default_rng(1)
     pads = [kernel // 2] * 4 if pads is None else pads
@@ -72,7 +73,7 @@ def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3,
                               strides=[stride, stride]),
              helper.make_node("Relu", ["c"], ["y"])]
     return _model("conv", nodes,
-                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 5, "w"])],
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, height, "w"])],
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, None, None])],
                   [_weight(rng, "w", (out_channels, channels // groups, kernel, kernel)),
                    _weight(rng, "b", (out_channels,))])
@@ -219,11 +220,16 @@ def test_conv1d_runs_as_a_conv2d_kernel_at_width_bucket_edges(knob_database):
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database, stride):
-    """Five input rows: an odd number of output rows, so the last two-row tile is half out."""
+    """Every count of output rows past a whole tile of DEPTHWISE_ROWS rows, so the last tile
+    is full and 1 to DEPTHWISE_ROWS - 1 rows out of the map, at each width edge."""
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     widths = sorted({stride * (edge - 1) + 1 for edge in row_edges(lanes)} | {stride * lanes})
-    assert_matches_onnxruntime(conv_model(6, 6, groups=6, stride=stride), "conv2d_depthwise",
-                               knob_database, lambda w: {"x": _normal(1, 6, 5, w)}, widths)
+    heights = [stride * (rows - 1) + 1
+               for rows in range(conv2d.DEPTHWISE_ROWS + 1, 2 * conv2d.DEPTHWISE_ROWS + 1)]
+    assert_matches_onnxruntime(conv_model(6, 6, groups=6, stride=stride, height="h"),
+                               "conv2d_depthwise", knob_database,
+                               lambda hw: {"x": _normal(1, 6, *hw)},
+                               [(h, w) for h in heights for w in widths])
 
 
 @pytest.mark.parametrize("stride, pads", [(2, [0, 0, 0, 0]), (2, [1, 2, 0, 1]), (1, [2, 0, 1, 3])])
