@@ -8,6 +8,7 @@ from .rdp import RankDimensionPropagation
 from .select_conv_algorithm import SelectConvAlgorithm
 from .select_gemm_kernel import SelectGemmKernel
 from .share_symbolic_storage import ShareSymbolicStorage
+from .sink_into_branches import SinkIntoBranches
 from .use_fast_math import UseFastMath
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "SelectConvAlgorithm",
     "SelectGemmKernel",
     "ShareSymbolicStorage",
+    "SinkIntoBranches",
     "UseFastMath",
 ]

@@ -27,6 +27,7 @@ from .passes import (
     SelectConvAlgorithm,
     SelectGemmKernel,
     ShareSymbolicStorage,
+    SinkIntoBranches,
     UseFastMath,
 )
 from .schedules import FallbackCPUSchedule, ScheduleKernels
@@ -86,10 +87,12 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         *([_apply_tuning_records(options.tuning_database, target)] if options.tuning_database else []),
         *([ScheduleKernels(options.knob_database)] if options.fast_kernels else []),
         *([FallbackCPUSchedule(options.knob_database)] if options.fallback_schedule else []),
-        # 5. lower dataflow to VM code; plan memory: TVM's plan shares storage between equal
-        #    sizes, then storages of different symbolic sizes are shared (SoD2 §4.4.1)
+        # 5. lower dataflow to VM code: each branch of an If computes what only it uses (SoD2
+        #    §3); plan memory: TVM's plan shares storage between equal sizes, then storages of
+        #    different symbolic sizes are shared (SoD2 §4.4.1)
         relax.transform.RewriteDataflowReshape(),
         relax.transform.ToNonDataflow(),
+        SinkIntoBranches(),
         relax.transform.RemovePurityChecking(),
         relax.transform.CallTIRRewrite(),
         relax.transform.StaticPlanBlockMemory(),
