@@ -19,6 +19,8 @@ Every lowered PrimFunc that no specialized kernel (issue 5) claims gets this sch
    average pool over H and W) reads one contiguous run per output; its loops are fused into one
    so that LLVM vectorizes one long loop instead of a short one per row: a mean over
    2 x 16 x 48 x 40 went from 9.4 to 1.3 us.
+6. Static inner dims in one loop. An elementwise block's innermost loops of static extent are
+   fused for the same reason (LLVM vectorized a 16 x 16 map across rows, with gathers).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def schedule_prim_func(func: tirx.PrimFunc,
         if parallel:
             parallelize_outer_loops(schedule)
         fuse_contiguous_reduction_loops(schedule)
+        fuse_static_inner_loops(schedule)
         initialize_before_reduction_loops(schedule)
         versions.append((condition, schedule.mod["main"]))
     return join_versions(versions).with_attr("tirx.is_scheduled", True)
@@ -110,6 +113,27 @@ def fuse_contiguous_reduction_loops(schedule: s_tir.Schedule) -> None:
         if len(reduced) == count and all(_reads_trailing_dims(region, reduced, analyzer) for region in block_stmt.reads
                                          if not region.source.same_as(block_stmt.writes[0].source)):
             schedule.fuse(*loops[-count:])
+
+
+def fuse_static_inner_loops(schedule: s_tir.Schedule) -> None:
+    """Fuse the innermost serial loops of static extent of each top-level elementwise block
+    into one loop. Left as a nest, LLVM unrolls a short inner loop (the 16 columns of a
+    16 x 16 map) and then vectorizes the loop around it, with gathers and scatters at a
+    stride of a row: an add of two 3 x 8 x 16 x 16 tensors took 4.5 us. Fused, the loop walks
+    the trailing dims in memory order (the indices recovered from it by division by constants
+    simplify back to the flat offset), and LLVM vectorizes it contiguously."""
+    root = schedule.get_sblock("root")
+    for block in schedule.get_child_blocks(root):
+        if _is_reduction(schedule, block):
+            continue
+        static_loops = []
+        for loop in reversed(schedule.get_loops(block)):
+            loop_stmt = schedule.get(loop)
+            if loop_stmt.kind != tirx.ForKind.SERIAL or not isinstance(loop_stmt.extent, tirx.IntImm):
+                break
+            static_loops.insert(0, loop)
+        if len(static_loops) >= 2:
+            schedule.fuse(*static_loops)
 
 
 def _reads_trailing_dims(region, reduced: list, analyzer) -> bool:

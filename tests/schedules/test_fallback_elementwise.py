@@ -1,0 +1,38 @@
+"""The fallback schedule runs an elementwise kernel's static inner dims as one loop, and stays exact.
+
+Left as a nest of short loops, LLVM vectorized the loop around the innermost one with gathers
+and scatters; fused, the loop walks memory in order. Broadcast operands read through the
+indices recovered from the fused loop.
+"""
+
+import re
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tvm import relax
+
+from kernel_harness import assert_close, compile_with_kernels, dims, one_op_module, run
+
+
+def test_static_inner_dims_run_as_one_loop_and_match_numpy_in_both_versions():
+    shape = dims("n", 8, 16, 16)
+    mod = one_op_module([("x", shape), ("y", shape)], [("bias", (1, 8, 1, 1))],
+                        lambda builder, x, y, bias: relax.op.add(builder.emit(relax.op.multiply(x, y)), bias))
+    scheduled, executable = compile_with_kernels(mod)
+    kernel = next(scheduled[gv].script() for gv in scheduled.functions if gv.name_hint != "main")
+    # the parallel version fuses (n, 8) for the pool, the serial one keeps n: both leave the
+    # static dims after those as one loop
+    inner_loops = re.findall(r"(\w+) in (?:range\(|T\.grid\(n, )T\.int64\((\d+)\)", kernel)
+    assert sorted(extent for _, extent in inner_loops) == ["2048", "256"], kernel
+    assert all(name.endswith("_fused") for name, _ in inner_loops)
+    bias = np.random.default_rng(0).standard_normal((1, 8, 1, 1)).astype(np.float32)
+
+    @settings(max_examples=10, deadline=None)
+    @given(st.sampled_from([1, 2, 3, 31, 32, 40]))  # the pool takes over at 32 images
+    def check(batch):
+        rng = np.random.default_rng(batch)
+        x, y = (rng.standard_normal((batch, 8, 16, 16)).astype(np.float32) for _ in range(2))
+        assert_close(run(executable, x, y, bias), x * y + bias, f"x * y + bias at batch {batch}")
+
+    check()
