@@ -132,7 +132,8 @@ def fuse_static_inner_loops(schedule: s_tir.Schedule) -> None:
             if loop_stmt.kind != tirx.ForKind.SERIAL or not isinstance(loop_stmt.extent, tirx.IntImm):
                 break
             static_loops.insert(0, loop)
-        if len(static_loops) >= 2:
+        # an empty tensor: nothing runs, and fusing would divide by the zero extent
+        if len(static_loops) >= 2 and not any(_is_empty(schedule.get(loop).extent) for loop in static_loops):
             schedule.fuse(*static_loops)
 
 

@@ -36,3 +36,11 @@ def test_static_inner_dims_run_as_one_loop_and_match_numpy_in_both_versions():
         assert_close(run(executable, x, y, bias), x * y + bias, f"x * y + bias at batch {batch}")
 
     check()
+
+
+def test_an_empty_static_dim_compiles_and_gives_an_empty_result():
+    # ONNX's CausalConvWithState with kernel size one slices a zero-width state this way
+    mod = one_op_module([("x", dims("n", 16, 0))], [], lambda builder, x: relax.op.nn.relu(x))
+    _, executable = compile_with_kernels(mod)
+    x = np.zeros((3, 16, 0), np.float32)
+    assert run(executable, x).shape == (3, 16, 0)
