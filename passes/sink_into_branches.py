@@ -81,9 +81,7 @@ def _rewrite_branches(binding: relax.Binding) -> relax.Binding:
                                                   _rewrite_seq(value.false_branch)))
 
 
-def _prepend(branch: relax.Expr, bindings: list[relax.Binding]) -> relax.SeqExpr:
-    if not isinstance(branch, relax.SeqExpr):
-        branch = relax.SeqExpr([], branch)
+def _prepend(branch: relax.SeqExpr, bindings: list[relax.Binding]) -> relax.SeqExpr:
     if not bindings:
         return branch
     return relax.SeqExpr([relax.BindingBlock(bindings), *branch.blocks], branch.body)

@@ -101,18 +101,15 @@ def fuse_contiguous_reduction_loops(schedule: s_tir.Schedule) -> None:
     for block in schedule.get_child_blocks(root):
         block_stmt = schedule.get(block)
         reduction_vars = _reduction_loop_vars(schedule, block)
-        loops = schedule.get_loops(block)
-        count = 0
-        for loop in reversed(loops):
-            if not any(schedule.get(loop).loop_var.same_as(var) for var in reduction_vars):
-                break
-            count += 1
-        if block_stmt.init is None or count < 2 or count != len(reduction_vars):
+        loops = _innermost_loops(schedule, block, lambda loop: any(
+            loop.loop_var.same_as(var) for var in reduction_vars))
+        if block_stmt.init is None or len(loops) < 2 or len(loops) != len(reduction_vars):
             continue
         reduced = [iter_var for iter_var in block_stmt.iter_vars if iter_var.iter_type != tirx.IterVar.DataPar]
-        if len(reduced) == count and all(_reads_trailing_dims(region, reduced, analyzer) for region in block_stmt.reads
-                                         if not region.source.same_as(block_stmt.writes[0].source)):
-            schedule.fuse(*loops[-count:])
+        if len(reduced) == len(loops) and all(_reads_trailing_dims(region, reduced, analyzer)
+                                              for region in block_stmt.reads
+                                              if not region.source.same_as(block_stmt.writes[0].source)):
+            schedule.fuse(*loops)
 
 
 def fuse_static_inner_loops(schedule: s_tir.Schedule) -> None:
@@ -126,15 +123,21 @@ def fuse_static_inner_loops(schedule: s_tir.Schedule) -> None:
     for block in schedule.get_child_blocks(root):
         if _is_reduction(schedule, block):
             continue
-        static_loops = []
-        for loop in reversed(schedule.get_loops(block)):
-            loop_stmt = schedule.get(loop)
-            if loop_stmt.kind != tirx.ForKind.SERIAL or not isinstance(loop_stmt.extent, tirx.IntImm):
-                break
-            static_loops.insert(0, loop)
+        static_loops = _innermost_loops(schedule, block, lambda loop: (
+            loop.kind == tirx.ForKind.SERIAL and isinstance(loop.extent, tirx.IntImm)))
         # an empty tensor: nothing runs, and fusing would divide by the zero extent
         if len(static_loops) >= 2 and not any(_is_empty(schedule.get(loop).extent) for loop in static_loops):
             schedule.fuse(*static_loops)
+
+
+def _innermost_loops(schedule: s_tir.Schedule, block, qualifies) -> list:
+    """The innermost loops of `block`, outermost first, up to the first (from inside) whose
+    statement does not satisfy `qualifies`."""
+    loops = schedule.get_loops(block)
+    count = 0
+    while count < len(loops) and qualifies(schedule.get(loops[len(loops) - 1 - count])):
+        count += 1
+    return list(loops[len(loops) - count:])
 
 
 def _reads_trailing_dims(region, reduced: list, analyzer) -> bool:
