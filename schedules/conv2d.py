@@ -259,7 +259,8 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     n, o, *image_rows, ow = sch.get_loops(tiles)[:tile_row_axis + 1]
     reductions = sch.get_loops(tiles)[tile_row_axis + 1:]
     o_outer, o_inner = sch.split(o, [None, channel_rows])
-    pack_rows = [("pack_rows", sch.get(block).name_hint, isa.lanes)
+    pack_rows = [("pack_rows", sch.get(block).name_hint, isa.lanes,
+                  *_version_condition(version, row_extent, vectors * isa.lanes))
                  for block in _packing_stages(sch, tiles)]
     reads_padded_input = bool(pack_rows)
     if version == ROW_TILES or reads_padded_input:
@@ -430,12 +431,18 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     out_name = sch.get(out_block).name_hint
     row_iters = {sch.get(tiles).name_hint: 3, sch.get(init).name_hint: 3, out_name: out_row_axis}
     sch.vectorize(sch.get_loops(out_block)[-1])
-    # the SINGLE_ROW version runs on maps narrower than a tile (dispatch.row_buckets)
-    narrow = version != ROW_TILES and not isinstance(row_extent, (int, tirx.IntImm))
-    version_condition = [row_extent < vector_width] if narrow else []
     return (_column_tile_rewrites(sch, version, row_iters, vector_width, row_extent, out_name,
                                   ow_outer)
-            + [("pack_rows", sch.get(packing).name_hint, vector_width, *version_condition)])
+            + [("pack_rows", sch.get(packing).name_hint, vector_width,
+                *_version_condition(version, row_extent, vector_width))])
+
+
+def _version_condition(version: str, row_extent, tile_columns: int) -> list:
+    """[what holds wherever this version runs (dispatch.row_buckets)], or [] for a static
+    row extent: ROW_TILES runs on maps of a tile or wider, SINGLE_ROW on narrower ones."""
+    if isinstance(row_extent, (int, tirx.IntImm)):
+        return []
+    return [row_extent >= tile_columns if version == ROW_TILES else row_extent < tile_columns]
 
 
 def _column_tile_rewrites(sch: s_tir.Schedule, version: str, row_iters: dict, tile_columns: int,

@@ -275,6 +275,28 @@ def test_depthwise_packing_rows_after_a_strided_conv_over_a_symbolic_height(knob
                                [9, 4 * lanes - 3, 8 * lanes + 6])
 
 
+@pytest.mark.parametrize("kernel, groups", [("depthwise", 6), ("width_vectors", 1)])
+def test_wide_packing_rows_end_in_a_shifted_vector(knob_database, kernel, groups):
+    """In the versions for maps of a tile or wider, a stride-1 image row is packed in whole
+    vectors, the last shifted back to end at the row's end, and its two padding columns by two
+    stores: no branch per row (the chunks and elements of row_chunks.py). Widths from one vector
+    up, with every leftover column count past whole vectors, match."""
+    model = conv_model(6, 6, groups=groups, stride=1, pads=[1, 1, 1, 1])
+    scheduled = _scheduled_kernel(model, kernel, knob_database, (kernel,))
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    wide = [v for v in re.split(r'T\.sblock\("version_\d+"\)', scheduled)[1:]
+            if "masked_store" not in v]
+    image_rows = [re.search(r"if (\w+) >= T\.int64\(1\) and \1 < [^\n]*:\n(.*?)\n\s*else:", v,
+                            re.DOTALL) for v in wide]
+    assert wide and all(image_rows)
+    for rows in image_rows:
+        assert f"T.Ramp(w - T.int64({lanes}), T.int64(1), {lanes})" in rows.group(2)
+        assert not re.search(r"^\s*if ", rows.group(2), re.MULTILINE)
+    assert_matches_onnxruntime(model, f"conv2d_{kernel}", knob_database,
+                               lambda w: {"x": _normal(1, 6, 5, w)}, range(lanes, 2 * lanes + 2),
+                               conv_algorithms=(kernel,))
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_narrow_depthwise_packing_rows_are_zeroed_whole_in_static_vectors(knob_database, stride):
     """In the version for maps narrower than a tile the packed rows have a static width: each
