@@ -82,6 +82,10 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
+        # a reshape kernel becomes a view (the VM's reshape) while its PrimFunc still reads as a
+        # reshape: once scheduled, its loops no longer match TVM's pattern and it stays a copy
+        relax.transform.RewriteDataflowReshape(),
+        relax.transform.DeadCodeElimination(),
         # 4. schedule kernels: tuned records where the database has them, tightfit's kernels in one
         #    version per shape bucket, then the rest
         *([_apply_tuning_records(options.tuning_database, target)] if options.tuning_database else []),
@@ -90,7 +94,6 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         # 5. lower dataflow to VM code: each branch of an If computes what only it uses (SoD2
         #    §3); plan memory: TVM's plan shares storage between equal sizes, then storages of
         #    different symbolic sizes are shared (SoD2 §4.4.1)
-        relax.transform.RewriteDataflowReshape(),
         relax.transform.ToNonDataflow(),
         SinkIntoBranches(),
         relax.transform.RemovePurityChecking(),
