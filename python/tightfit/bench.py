@@ -8,7 +8,8 @@ by run, made TVM's thread pool 20x slower (measured: 23.7 ms instead of 1.2 ms o
 net). After the pause every engine runs untimed for WARM_UP_PER_TURN_S (at least once): a CPU
 left idle comes back slowly, and one run was not enough (measured on this VM, both engines alike:
 after 0.1 s idle a 23 us model took 250 us, then 30-40 us for the next ten runs, and only after
-about 1 ms of runs its steady 23 us; a 210 us model needed about 4 ms). Engines:
+about 1 ms of runs its steady 23 us; mobilenet_v2_style at 2x3x96x80, 0.193 ms steady, still
+timed 0.222 ms after 10 ms of runs, and 0.194 ms after 50 or 200 ms). Engines:
 - tightfit: `tightfit.compile` for the host;
 - onnxruntime: an InferenceSession with default session options (what its users get);
 - tvm-default: `from_onnx` + `tvm.compile(mod, target)` with TVM's default pipeline.
@@ -45,7 +46,7 @@ from .frontend import TensorSpec, declared_inputs, load_onnx
 ENGINES = ("tightfit", "onnxruntime", "tvm-default")
 ROUNDS = 8
 PAUSE_BETWEEN_ENGINES_S = 0.1
-WARM_UP_PER_TURN_S = 0.01
+WARM_UP_PER_TURN_S = 0.05
 
 
 @dataclass
