@@ -125,7 +125,8 @@ class _ConvRewriter(relax.PyExprMutator):
             pointwise = conv2d.is_pointwise(*call.args[1].ty.shape.values[2:], strides, padding)
             row_extent = out_width * call.ty.shape[2] if pointwise else out_width
             knobs = (self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
-                     or conv2d.width_tile_knobs(self.isa, out_channels))
+                     or conv2d.width_tile_knobs(self.isa, out_channels,
+                                                 _pointwise_weight_bytes(call) if pointwise else None))
             packed = emit_weight_transform(self.builder_, conv2d.pack_conv2d_weight, [weight],
                                            "conv2d_weight_rows",
                                            self.weight_only.transformed_name(source_weight, "rows"),
@@ -242,6 +243,11 @@ def _has_conv(func: relax.Function) -> bool:
         func, lambda node: found.append(node)
         if _is_supported_conv(node) or _is_supported_conv1d(node) else None)
     return bool(found)
+
+
+def _pointwise_weight_bytes(call: relax.Call) -> int:
+    out_channels, in_channels = (int(d) for d in call.args[1].ty.shape.values[:2])
+    return out_channels * in_channels * tvm.runtime.DataType(call.args[1].ty.dtype).bits // 8
 
 
 def _footprint(costs, algorithm: str) -> dict:

@@ -215,17 +215,27 @@ def flatten_output_pixels(sch: s_tir.Schedule, out_block) -> None:
         lambda n, o, h, w: (n, o, h * width + w), index_dtype=width.ty.dtype))
 
 
-def width_tile_knobs(isa: VectorISA, out_channels: int) -> TileKnobs:
-    """Channel rows x one vector of columns for a conv2d_width_vectors tile.
+def width_tile_knobs(isa: VectorISA, out_channels: int,
+                     pointwise_weight_bytes: int | None = None) -> TileKnobs:
+    """Channel rows x vectors of columns for a conv2d_width_vectors tile.
 
-    One vector: the shifted tail of two-vector tiles recomputes up to a vector per row (a
-    40-wide output in 32-column tiles computes 64 columns), and widths of one vector up run
-    the tiled version. Measured on the zoo's layers (AVX-512, 2 threads), one vector beat two
-    by 1.2-1.5x. The channel rows are the count, among those whose tile fits the registers
-    (isa.fits_registers), with the least `tile_cost` over all output channels, padding
-    included: 16 channels in two 8-row tiles rather than 15 + 1.
+    One vector along an output row: the shifted tail of two-vector tiles recomputes up to a
+    vector per row (a 40-wide output in 32-column tiles computes 64 columns), and widths of one
+    vector up run the tiled version. Measured on the zoo's layers (AVX-512, 2 threads), one
+    vector beat two by 1.2-1.5x. A pointwise conv's tiles run along the whole flattened pixel
+    plane, where two vectors add no tail per row and halve the broadcasts per multiply-add (a
+    6 x 2 tile broadcasts 6 weights and loads 2 input vectors for 12 FMAs; 13 x 1, 13 and 1 for
+    13): mobilenet_v2_style's 16 -> 64 layers at 2 x 48 x 40 went from 24.8 to 19.4 us, its
+    64 -> 16 layers from 29 to 26 us, MobileNetV2's 16 -> 96 at 112 x 112 from 153 to 103 us.
+    Not where the weights (`pointwise_weight_bytes`) exceed PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES:
+    those layers come late in a network, on maps of a few hundred pixels or less, where fewer
+    channel rows cost more than the broadcasts save (a map under two vectors runs pixel by
+    pixel with the channel rows as the vector). The channel rows are the count, among those
+    whose tile fits the registers (isa.fits_registers), with the least `tile_cost` over all
+    output channels, padding included: 16 channels in two 8-row tiles rather than 15 + 1.
     """
-    vectors = 1
+    vectors = 2 if (pointwise_weight_bytes is not None
+                    and pointwise_weight_bytes <= PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES) else 1
     fitting = [r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)]
     channel_rows = min(fitting, key=lambda r: (-(-out_channels // r) * tile_cost(r, vectors), -r))
     return TileKnobs(rows=channel_rows, vectors=vectors)

@@ -170,6 +170,10 @@ def _width_vectors(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
     channel rows as the vector, using channel_rows of its lanes."""
     out_h, out_w = shape.out_hw
     kh, kw = shape.kernel
+    # the one-vector tile, also for a pointwise conv that gets two (width_tile_knobs): costed at
+    # a typical extent, a late layer's map is a few pixels, where two vectors' fewer channel rows
+    # cost much more, and six of MobileNetV2's pointwise layers went to conv2d_direct, 4x slower
+    # on their real 14 x 14 maps
     channel_rows = width_tile_knobs(isa, shape.out_channels).rows
     pointwise = is_pointwise(*shape.kernel, shape.strides, shape.padding)
     rows, row_width = (1, out_h * out_w) if pointwise else (out_h, out_w)

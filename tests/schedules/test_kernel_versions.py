@@ -191,14 +191,19 @@ def test_width_vectors_conv_versions_match_onnxruntime_at_vector_edges(knob_data
 @pytest.mark.parametrize("panels_outer", [False, True], ids=["pixel_tiles_outer", "panels_outer"])
 def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_database, monkeypatch,
                                                                         panels_outer):
-    """Pixel planes (h x w) of one vector less, one, one more and three plus two, in shapes whose
-    rows are narrower than a vector (7 x 7 is three vectors and a shifted tail), two images:
-    the tiles run along each image's flattened pixels, in both loop orders (the weight size
-    picks one; the threshold is moved to force the other)."""
+    """Pixel planes (h x w) of one tile less, one, one more and three plus two, in shapes whose
+    rows are narrower than a tile (7 x 7 is three vectors and a shifted tail), and a vector
+    less or more, two images: the tiles run along each image's flattened pixels, in both loop
+    orders (the weight size picks one; the threshold is moved to force the other), two vectors
+    wide where the weights are small (width_tile_knobs), else one."""
     if panels_outer:
         monkeypatch.setattr(conv2d, "PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES", 0)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
-    planes = [(1, 1), (1, lanes - 1), (4, lanes // 4), (lanes + 1, 1), (7, 7), (5, (3 * lanes + 2) // 5 + 1)]
+    knobs = conv2d.width_tile_knobs(isa_for_target(resolve_target("host").tvm_target), 17, 17 * 6 * 4)
+    assert knobs.vectors == (1 if panels_outer else 2)
+    tile = knobs.vectors * lanes
+    planes = [(1, 1), (1, tile - 1), (4, tile // 4), (tile + 1, 1), (7, 7), (5, (3 * tile + 2) // 5 + 1),
+              (1, lanes - 1), (lanes + 1, 1)]
     model = pointwise_residual_model(6, 17)
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
                                 stop_after="tightfit.FallbackCPUSchedule")
