@@ -44,9 +44,9 @@ def vector_packing_rows(func: tirx.PrimFunc, block_name: str, lanes: int,
     """`func` with the loops (row, phase, column) of packing block `block_name`, which must be
     the block's own innermost loops, replaced by the per-row loops above (`lanes` per
     vector). Stride 1 and 2 (the phases two shuffles split); other strides are left as they
-    are. `version_condition`, when given, holds wherever this version of the kernel runs (a map
-    narrower than a tile: the packed rows then have a static width; a map of a tile or wider).
-    """
+    are. `version_condition`, when given, holds wherever this version of the kernel runs: on a
+    map narrower than a tile the packed rows have a static width; on a map a tile wide or wider
+    a stride-1 row is copied without branches (`_shifted_tail_copy`)."""
 
     def replace(loop: tirx.For):
         realize = _row_loop_realize(loop)
