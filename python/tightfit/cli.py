@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -78,6 +79,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocess measurements")
     bench_cmd.add_argument("--loading", action="store_true",
                            help="measure time to a ready session and peak RSS at load instead of latency")
+    bench_cmd.add_argument("--roofline", action="store_true",
+                           help="time each model's largest conv and GEMM alone against this CPU's "
+                           "measured peak and memory bandwidth (with the whole zoo: also ResNet-50's "
+                           "3x3 conv and a BERT-base GEMM); writes roofline.md/.json/.png")
     bench_cmd.add_argument("--out", metavar="DIR", default="bench/results", help="where bench.json and bench.md go")
     _add_rpc_options(bench_cmd)
     bench_cmd.set_defaults(handler=_bench)
@@ -257,13 +262,15 @@ def _bench(args) -> int:
     elif args.model:
         shape_sets = [dict((n, tuple(d)) for n, d in map(parse_shape_option, spec.split(";")))
                       for spec in args.shapes]
-        if not shape_sets and not args.loading:
+        if not shape_sets and not (args.loading or args.roofline):
             raise InputError("give at least one --shapes SPEC, e.g. --shapes x=1,3,64,64")
         jobs.append((Path(args.model).stem, _bench_model(args.model), shape_sets, None))
     else:
         raise InputError("name a model or use --zoo")
     if args.loading:
         return _bench_loading(args, jobs)
+    if args.roofline:
+        return _bench_roofline(args, jobs, with_reference_layers=args.zoo == [])
     from .bench import benchmark_model, markdown_table, write_reports
 
     results = []
@@ -294,6 +301,34 @@ def _bench_loading(args, jobs) -> int:
     path = write_loading_reports(results, args.out)
     _emit(args, json.loads((path.parent / "loading.json").read_text()),
           loading_table(results) + f"\n\nwrote {path}")
+    return 0
+
+
+def _bench_roofline(args, jobs, with_reference_layers: bool) -> int:
+    from .bench_roofline import (benchmark_roofline, largest_layers, reference_layers,
+                                 roofline_table, write_roofline_reports)
+    from .errors import InputError
+    from .feeds import concrete_shapes, random_feeds
+    from .frontend import declared_inputs, load_onnx
+
+    layers = []
+    for name, model, shape_sets, feeds_for in jobs:
+        proto = load_onnx(model)
+        specs = declared_inputs(proto.graph)
+        # the shape set with the most input elements: the layers at their largest
+        shapes = max(shape_sets or [concrete_shapes(specs, {}, default_dim=1)],
+                     key=lambda shape_set: sum(math.prod(dims) for dims in shape_set.values()))
+        feeds = (feeds_for or (lambda shape_set: random_feeds(specs, shape_set)))(shapes)
+        layers += largest_layers(name, proto, feeds)
+    if with_reference_layers:
+        layers += reference_layers()
+    if not layers:
+        raise InputError("no Conv, MatMul or Gemm node in the model's top-level graph: nothing "
+                         "for a roofline")
+    report = benchmark_roofline(layers, repeat=args.repeat)
+    written = write_roofline_reports(report, args.out)
+    _emit(args, json.loads(written[0].read_text()),
+          roofline_table(report) + "\n\nwrote " + ", ".join(map(str, written)))
     return 0
 
 
