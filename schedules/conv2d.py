@@ -38,6 +38,7 @@ from .register_tile import (
     MAX_ROWS,
     OUTPUT_ROW_AXIS_ANNOTATION,
     ROW_TILES,
+    ROW_TILES_OUTER_MAX_WEIGHT_BYTES,
     ROWS_ANNOTATION,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
@@ -59,13 +60,6 @@ FLAT_PIXELS_ANNOTATION = "tightfit.flat_pixels"
 # one tile are all the core overlaps: 4 rows ran the zoo's layers 10-25% faster than 2 (e.g.
 # 2x64x48x40 33.9 -> 28.7 us, 576x14x14 18.6 -> 14.8 us), 8 rows were slower than 4.
 DEPTHWISE_ROWS = 4
-# A pointwise kernel's loop order re-reads one operand per tile of the other: pixel tiles
-# outermost re-read the weights once per pixel tile, channel panels outermost the image once
-# per panel. Weights up to this size stay in L2 (1 MB per core here) beside the activations,
-# so they are re-read there; larger ones (MobileNetV2's 960 -> 320 and 320 -> 1280 layers on
-# 7 x 7 maps, whose images are a few hundred KB) go outermost. Measured on MobileNetV2: 3-5%
-# faster whole runs at 1x3x224x224 and 2x3x160x128 than pixel tiles outermost everywhere.
-PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES = 128 << 10
 
 
 def output_extent(size, pad_before: int, pad_after: int, kernel: int, stride: int, dilation: int):
@@ -227,7 +221,7 @@ def width_tile_knobs(isa: VectorISA, out_channels: int,
     6 x 2 tile broadcasts 6 weights and loads 2 input vectors for 12 FMAs; 13 x 1, 13 and 1 for
     13): mobilenet_v2_style's 16 -> 64 layers at 2 x 48 x 40 went from 24.8 to 19.4 us, its
     64 -> 16 layers from 29 to 26 us, MobileNetV2's 16 -> 96 at 112 x 112 from 153 to 103 us.
-    Not where the weights (`pointwise_weight_bytes`) exceed PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES:
+    Not where the weights (`pointwise_weight_bytes`) exceed ROW_TILES_OUTER_MAX_WEIGHT_BYTES:
     those layers come late in a network, on maps of a few hundred pixels or less, where fewer
     channel rows cost more than the broadcasts save (a map under two vectors runs pixel by
     pixel with the channel rows as the vector). The channel rows are the count, among those
@@ -235,7 +229,7 @@ def width_tile_knobs(isa: VectorISA, out_channels: int,
     output channels, padding included: 16 channels in two 8-row tiles rather than 15 + 1.
     """
     vectors = 2 if (pointwise_weight_bytes is not None
-                    and pointwise_weight_bytes <= PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES) else 1
+                    and pointwise_weight_bytes <= ROW_TILES_OUTER_MAX_WEIGHT_BYTES) else 1
     fitting = [r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)]
     channel_rows = min(fitting, key=lambda r: (-(-out_channels // r) * tile_cost(r, vectors), -r))
     return TileKnobs(rows=channel_rows, vectors=vectors)
@@ -254,7 +248,7 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
 
     Flat-pixel tiles (pointwise convs) have no output row: the parallel loop is (pixel tile,
     channel panel), or (channel panel, pixel tile) for weights over
-    PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES, the batch inside, and `out_block` must have been through
+    ROW_TILES_OUTER_MAX_WEIGHT_BYTES, the batch inside, and `out_block` must have been through
     `flatten_output_pixels`.
 
     Narrower outputs (the SINGLE_ROW version): a conv that reads the padded input computes one
@@ -275,7 +269,7 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     reads_padded_input = bool(pack_rows)
     if version == ROW_TILES or reads_padded_input:
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
-        if flat and _weight_bytes(sch, tiles) > PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES:
+        if flat and _weight_bytes(sch, tiles) > ROW_TILES_OUTER_MAX_WEIGHT_BYTES:
             sch.reorder(o_outer, ow_outer, n, *reductions, o_inner, ow_vector, ow_lane)
             sch.reverse_compute_at(out_block, n)
             _fuse_outer_loops(sch, [o_outer, ow_outer], parallel)

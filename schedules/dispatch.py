@@ -9,9 +9,10 @@ Buckets, on M = the extent the register tile runs along (a GEMM's rows: batch x 
 transformer's linear layers, 1 in a decoder step; a conv's output width; a depthwise conv's
 output width in vectors):
 - M >= rows: ROW_TILES, tiles of `rows` rows (the last one shifted back); regular and fat
-  GEMMs, large spatial convs. A separate fat version (reduction blocked for the cache) is not
-  built: it pays only once a B panel (K x NB floats) outgrows L2, and no layer of the models
-  at hand comes near (register_tile.py's limit).
+  GEMMs, large spatial convs. A fat GEMM with a large weight runs its column panels outermost
+  (register_tile.py), so that each panel is read from memory once. A separate fat version
+  (reduction blocked for the cache) is not built: it pays only once a B panel (K x NB floats)
+  outgrows L2, and no layer of the models at hand comes near (register_tile.py's limit).
 - M < rows: SINGLE_ROW, one row at a time across wide vector panels, parallel over the
   panels; skinny GEMMs (GEMV-like) and convs narrower than a tile (7x7 maps and below).
 The threshold is the tile height because that is where a row tile stops fitting: the shifted

@@ -13,6 +13,9 @@ Limits: fp32; batch axes of the two operands must be equal (no broadcasting) in
 
 from __future__ import annotations
 
+import math
+
+import tvm
 from tvm import te, tirx
 
 from .register_tile import (
@@ -21,6 +24,7 @@ from .register_tile import (
     ROWS_ANNOTATION,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
+    WEIGHT_BYTES_ANNOTATION,
 )
 from .tail_tiles import tile_domain
 
@@ -56,8 +60,12 @@ def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, r
         weight_index = (*b[:len(weight_batch)], o // panel_width, k, o % panel_width)
         return te.sum(data[(*b, m, k)] * packed_weight[weight_index], axis=k)
 
+    # what one entry of the leading batch axes multiplies by: the loop order's concern is
+    # whether that stays in L2 while the row tiles re-read it
+    weight_bytes = (math.prod(int(d) for d in packed_weight.shape[-3:])
+                    * tvm.runtime.DataType(str(packed_weight.dtype)).bits // 8)
     return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, out_features,
-                          DENSE, rows, vectors)
+                          DENSE, rows, vectors, {WEIGHT_BYTES_ANNOTATION: weight_bytes})
 
 
 def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
@@ -87,10 +95,10 @@ def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
 
 
 def _tiles_and_out(tile_value, batch, row_extent, padded_columns, columns, kind: str, rows: int,
-                   vectors: int) -> te.Tensor:
+                   vectors: int, annotations: dict | None = None) -> te.Tensor:
     tiles = te.compute((*batch, tile_domain(row_extent, rows), padded_columns), tile_value,
                        name=f"{kind}_tiles",
                        attrs={KERNEL_ANNOTATION: kind, ROWS_ANNOTATION: rows,
                               VECTORS_ANNOTATION: vectors,
-                              OUTPUT_ROW_AXIS_ANNOTATION: len(batch)})
+                              OUTPUT_ROW_AXIS_ANNOTATION: len(batch), **(annotations or {})})
     return te.compute((*batch, row_extent, columns), lambda *index: tiles[index], name=f"{kind}_out")

@@ -25,7 +25,8 @@ from tightfit.schedules.conv2d import FLAT_PIXELS_ANNOTATION
 from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
-from tightfit.schedules.register_tile import default_tile_knobs
+from tightfit.schedules import register_tile
+from tightfit.schedules.register_tile import TileKnobs, default_tile_knobs
 from tightfit.target import resolve_target
 
 from kernel_harness import kernel_blocks
@@ -155,16 +156,47 @@ def _normal(*shape) -> np.ndarray:
     return np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
 
 
+@pytest.mark.parametrize("panels_outer", [False, True], ids=["row_tiles_outer", "panels_outer"])
 @pytest.mark.parametrize("columns", [10, 40])
-def test_dense_versions_match_onnxruntime_at_row_bucket_edges(knob_database, columns):
-    assert_matches_onnxruntime(dense_model(columns), "dense_packed", knob_database,
+def test_dense_versions_match_onnxruntime_at_row_bucket_edges(knob_database, monkeypatch, columns,
+                                                              panels_outer):
+    """Both loop orders of the row-tile version: row tiles outermost (small weights), or column
+    panels outermost (weights over the threshold, moved here to force it; one panel of 10
+    columns stays row tiles outermost: there is nothing to share among threads)."""
+    if panels_outer:
+        monkeypatch.setattr(register_tile, "ROW_TILES_OUTER_MAX_WEIGHT_BYTES", 0)
+    model = dense_model(columns)
+    row_tiles_version = _scheduled_kernel(model, "dense_packed", knob_database)
+    outermost = re.search(r"for (i0_0|i1_0)\b", row_tiles_version).group(1)
+    assert outermost == ("i1_0" if panels_outer and columns > 32 else "i0_0")
+    assert_matches_onnxruntime(model, "dense_packed", knob_database,
                                lambda m: {"x": _normal(m, 24)}, row_edges(host_rows(columns)))
 
 
-def test_batched_matmul_versions_match_onnxruntime_at_row_bucket_edges(knob_database):
-    assert_matches_onnxruntime(batched_matmul_model(20), "matmul_packed_rhs", knob_database,
-                               lambda m: {"a": _normal(2, m, 12), "b": _normal(2, 12, 20)},
-                               row_edges(host_rows(20)))
+def test_skinny_dense_spends_the_registers_on_vectors_and_runs_over_panels(knob_database):
+    """A GEMV-like layer (one row: a classifier at batch 1) in 8-vector panels, 8 independent
+    FMA chains, its panels outermost so that they can share the threads (it ran on one thread
+    in 2-vector panels: MobileNetV2's 1280 -> 1000 classifier 183 -> 65 us); 4 rows: as many
+    vectors as the stack array allows."""
+    isa = isa_for_target(resolve_target("host").tvm_target)
+    assert default_tile_knobs(isa, 300, 1) == TileKnobs(rows=1, vectors=min(8, -(-300 // isa.lanes)))
+    four_rows = default_tile_knobs(isa, 300, 4)
+    assert four_rows.rows == 4 and isa.fits_registers(4, four_rows.vectors)
+    assert not isa.fits_registers(4, four_rows.vectors + 1)
+    rng = np.random.default_rng(5)
+    model = _model("classifier", [helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 300])],
+                   [_weight(rng, "w", (300, 64)), _weight(rng, "b", (300,))])
+    kernel = _scheduled_kernel(model, "dense_packed", knob_database)
+    assert re.search(r"for (i0_0|i1_0)\b", kernel).group(1) == "i1_0"
+    panels = -(-300 // (default_tile_knobs(isa, 300, 1).vectors * isa.lanes))
+    parallel = f"for i1_0 in T.parallel(T.int64({panels}))"
+    assert (parallel in kernel) == knob_database.endswith("parallel.json")
+    options = PipelineOptions(knob_database=knob_database)
+    feeds = {"x": _normal(1, 64)}
+    np.testing.assert_allclose(tightfit.compile(model, options=options).session().run(feeds)["y"],
+                               run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", [3, 1])
@@ -197,7 +229,7 @@ def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_dat
     orders (the weight size picks one; the threshold is moved to force the other), two vectors
     wide where the weights are small (width_tile_knobs), else one."""
     if panels_outer:
-        monkeypatch.setattr(conv2d, "PIXEL_TILES_OUTER_MAX_WEIGHT_BYTES", 0)
+        monkeypatch.setattr(conv2d, "ROW_TILES_OUTER_MAX_WEIGHT_BYTES", 0)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     knobs = conv2d.width_tile_knobs(isa_for_target(resolve_target("host").tvm_target), 17, 17 * 6 * 4)
     assert knobs.vectors == (1 if panels_outer else 2)
