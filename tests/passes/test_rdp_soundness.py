@@ -78,6 +78,7 @@ ZOO_INPUTS = {
 # The dynamo exports of the PyTorch models take the same inputs as the TorchScript ones.
 ZOO_INPUTS.update({f"{name}_dynamo": ZOO_INPUTS[name]
                    for name in ("transformer_encoder", "detector_fpn", "speech_encoder")})
+ZOO_INPUTS["transformer_encoder_wide"] = _tokens
 ZOO_INPUTS.update({case.name: case.draw_inputs for case in rdp_models.CASES})
 
 

@@ -240,20 +240,22 @@ def _torch_attention(width: int, heads: int):
     return Attention()
 
 
-def transformer_encoder(dynamo: bool = False) -> onnx.ModelProto:
-    """Two pre-norm encoder layers (multi-head self-attention, GELU MLP) over token embeddings;
-    batch and sequence length are dynamic."""
+def transformer_encoder(dynamo: bool = False, width: int = 32, heads: int = 4,
+                        mlp_ratio: int = 2) -> onnx.ModelProto:
+    """Two pre-norm encoder layers (multi-head self-attention, GELU MLP of `mlp_ratio` x width)
+    over token embeddings; batch and sequence length are dynamic."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)
 
     class Layer(nn.Module):
-        def __init__(self, width: int):
+        def __init__(self):
             super().__init__()
             self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-            self.attention = _torch_attention(width, 4)
-            self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            self.attention = _torch_attention(width, heads)
+            self.mlp = nn.Sequential(nn.Linear(width, mlp_ratio * width), nn.GELU(),
+                                     nn.Linear(mlp_ratio * width, width))
 
         def forward(self, x):
             x = x + self.attention(self.norm1(x))
@@ -262,8 +264,8 @@ def transformer_encoder(dynamo: bool = False) -> onnx.ModelProto:
     class Encoder(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = nn.Embedding(100, 32)
-            self.layers = nn.Sequential(Layer(32), Layer(32))
+            self.embed = nn.Embedding(100, width)
+            self.layers = nn.Sequential(Layer(), Layer())
 
         def forward(self, tokens):
             return self.layers(self.embed(tokens))
@@ -438,6 +440,12 @@ _MODELS = [
              feeds=_token_feeds, dynamic=True,
              shape_sets=[{"tokens": (1, 5)}, {"tokens": (3, 16)}],
              description="transformer_encoder exported by dynamo"),
+    ZooModel(name="transformer_encoder_wide",
+             build=partial(transformer_encoder, dynamo=True, width=256, heads=4, mlp_ratio=4),
+             feeds=_token_feeds, dynamic=True,
+             shape_sets=[{"tokens": (1, 128)}, {"tokens": (4, 32)}],
+             description="transformer_encoder_dynamo at a real model's layer sizes (BERT-mini's: "
+                         "256 wide, 4 heads of 64, MLP 1024)"),
     ZooModel(name="detector_fpn_dynamo", build=partial(detector_fpn, dynamo=True), feeds=None,
              dynamic=True, shape_sets=[{"image": (1, 3, 32, 48)}, {"image": (2, 3, 64, 40)}],
              description="detector_fpn exported by dynamo"),
