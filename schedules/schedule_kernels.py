@@ -145,9 +145,13 @@ def inline_epilogue(sch: s_tir.Schedule, out_block):
     """Inline the chain of elementwise consumers of `out_block` into it (bias, BN, activation,
     residual add), so the values go from registers to the final output in one store.
 
-    Stops at the first consumer that cannot be inlined (a reduction, a consumer read by several
-    blocks); those are scheduled as ordinary blocks afterwards.
+    An epilogue that reads a value twice (GELU: x * 0.5 * (1 + erf(x / sqrt 2)) reads x in
+    its first and last op) is a graph, not a chain: its inner blocks are first inlined forward
+    into their consumers, which leaves one block reading the write-back. Stops at the first
+    consumer that cannot be inlined (a reduction); those are scheduled as ordinary blocks
+    afterwards, as are the inner blocks that could not be inlined forward.
     """
+    _inline_forward_after(sch, out_block)
     while True:
         consumers = sch.get_consumers(out_block)
         if len(consumers) != 1 or STAGE_ANNOTATION in sch.get(consumers[0]).annotations:
@@ -156,6 +160,29 @@ def inline_epilogue(sch: s_tir.Schedule, out_block):
             sch.reverse_compute_inline(consumers[0])
         except s_tir.ScheduleError:
             return out_block
+
+
+def _inline_forward_after(sch: s_tir.Schedule, out_block) -> None:
+    """compute_inline every block downstream of `out_block` that writes an intermediate buffer
+    (not one of the function's outputs) and is not a packing stage; blocks that cannot be
+    inlined (reductions) stay."""
+    parameters = [param for param in sch.mod["main"].params if hasattr(param, "shape")]
+    pending, seen = list(sch.get_consumers(out_block)), set()
+    while pending:
+        block = pending.pop(0)
+        name = sch.get(block).name_hint
+        if name in seen:
+            continue
+        seen.add(name)
+        consumers = list(sch.get_consumers(block))
+        writes_output = any(region.source.same_as(param) for region in sch.get(block).writes
+                            for param in parameters)
+        if not writes_output and STAGE_ANNOTATION not in sch.get(block).annotations:
+            try:
+                sch.compute_inline(block)
+            except s_tir.ScheduleError:
+                pass
+        pending += consumers
 
 
 def _kernel_block_names(sch: s_tir.Schedule, tiles_name: str, out_block) -> frozenset[str]:
