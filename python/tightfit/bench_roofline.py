@@ -328,8 +328,10 @@ def roofline_table(report: RooflineReport) -> str:
               f"{ceilings.vector_lanes} fp32 lanes per thread), memory bandwidth "
               f"{ceilings.bandwidth_gbs:g} GB/s (a {STREAM_BYTES >> 20} MB array scaled into "
               "another, bytes read plus written). roof = min(peak, FLOP/byte x bandwidth), where "
-              "FLOP/byte counts each input, weight and output once. Times are medians of whole "
-              "runs from Python, engines taking turns (bench.benchmark_model)."]
+              "FLOP/byte counts each input, weight and output once. FLOPs are the direct "
+              "algorithm's: a conv that runs as Winograd does fewer multiplies, and can pass 100% "
+              "of peak. Times are medians of whole runs from Python, engines taking turns "
+              "(bench.benchmark_model)."]
     return "\n".join(lines)
 
 
