@@ -26,8 +26,6 @@ Limits: groups must be 1 (direct, width vectors) or equal to the channel count (
 
 from __future__ import annotations
 
-import math
-
 import tvm
 from tvm import s_tir, te, tirx
 
@@ -42,8 +40,10 @@ from .register_tile import (
     ROWS_ANNOTATION,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
+    WEIGHT_BYTES_ANNOTATION,
     TileKnobs,
     tile_cost,
+    weight_bytes,
 )
 
 DIRECT = "conv2d_direct"
@@ -154,7 +154,8 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
     panels, kernel_h, kernel_w, _, channel_rows = (int(d) for d in packed_weight.shape)
     tile_columns = vectors * lanes
     attrs = {KERNEL_ANNOTATION: WIDTH_VECTORS, ROWS_ANNOTATION: tile_columns,
-             VECTORS_ANNOTATION: vectors, CHANNEL_ROWS_ANNOTATION: channel_rows}
+             VECTORS_ANNOTATION: vectors, CHANNEL_ROWS_ANNOTATION: channel_rows,
+             WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 5)}
     rc = te.reduce_axis((0, channels), "rc")
     if is_pointwise(kernel_h, kernel_w, strides, padding):
         def pixel_value(n, o, p):
@@ -269,7 +270,9 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     reads_padded_input = bool(pack_rows)
     if version == ROW_TILES or reads_padded_input:
         ow_outer, ow_vector, ow_lane = sch.split(ow, [None, vectors, isa.lanes])
-        if flat and _weight_bytes(sch, tiles) > ROW_TILES_OUTER_MAX_WEIGHT_BYTES:
+        weight_over_l2 = (int(sch.get(tiles).annotations[WEIGHT_BYTES_ANNOTATION])
+                          > ROW_TILES_OUTER_MAX_WEIGHT_BYTES)
+        if flat and weight_over_l2:
             sch.reorder(o_outer, ow_outer, n, *reductions, o_inner, ow_vector, ow_lane)
             sch.reverse_compute_at(out_block, n)
             _fuse_outer_loops(sch, [o_outer, ow_outer], parallel)
@@ -306,15 +309,6 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     sch.vectorize(o_inner)
     sch.decompose_reduction(tiles, reductions[0])
     return [("restrict", sch.get(ow).loop_var, row_extent)]
-
-
-def _weight_bytes(sch: s_tir.Schedule, tiles) -> int:
-    """Bytes of the packed weight a tiles block reads (its one read of fully static shape)."""
-    for region in sch.get(tiles).reads:
-        shape = region.source.shape
-        if len(shape) == 5 and all(isinstance(d, tirx.IntImm) for d in shape):
-            return math.prod(int(d) for d in shape) * tvm.runtime.DataType(region.source.dtype).bits // 8
-    return 0
 
 
 def pack_input_phases(data: te.Tensor, tile_w, kernel_w: int, strides, padding, dilation,

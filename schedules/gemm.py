@@ -13,9 +13,6 @@ Limits: fp32; batch axes of the two operands must be equal (no broadcasting) in
 
 from __future__ import annotations
 
-import math
-
-import tvm
 from tvm import te, tirx
 
 from .register_tile import (
@@ -25,6 +22,7 @@ from .register_tile import (
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
     WEIGHT_BYTES_ANNOTATION,
+    weight_bytes,
 )
 from .tail_tiles import tile_domain
 
@@ -60,12 +58,10 @@ def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, r
         weight_index = (*b[:len(weight_batch)], o // panel_width, k, o % panel_width)
         return te.sum(data[(*b, m, k)] * packed_weight[weight_index], axis=k)
 
-    # what one entry of the leading batch axes multiplies by: the loop order's concern is
-    # whether that stays in L2 while the row tiles re-read it
-    weight_bytes = (math.prod(int(d) for d in packed_weight.shape[-3:])
-                    * tvm.runtime.DataType(str(packed_weight.dtype)).bits // 8)
+    # one entry of the leading batch axes' weight: whether it stays in L2 while the row tiles
+    # re-read it decides the loop order
     return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, out_features,
-                          DENSE, rows, vectors, {WEIGHT_BYTES_ANNOTATION: weight_bytes})
+                          DENSE, rows, vectors, {WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 3)})
 
 
 def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import tvm
 from tvm import s_tir, tirx
 
 from .isa import VectorISA
@@ -47,7 +48,8 @@ VECTORS_ANNOTATION = "tightfit.vectors"
 OUTPUT_ROW_AXIS_ANNOTATION = "tightfit.output_row_axis"
 # Blocks a kernel wants materialized (packing stages), never inlined by the epilogue inliner.
 STAGE_ANNOTATION = "tightfit.stage"
-# On a tiles block: the bytes of the packed weight it reads (dense_packed), for the loop order.
+# On a tiles block: the bytes of the packed weight it reads (dense and pointwise kernels), for
+# the loop order.
 WEIGHT_BYTES_ANNOTATION = "tightfit.weight_bytes"
 
 ROW_TILES = "row_tiles"
@@ -108,6 +110,13 @@ def default_tile_knobs(isa: VectorISA, columns: int, row_extent,
         rows = min(range(max(1, rows // 2), rows + 1),
                    key=lambda r: (-(-extent // r) * tile_cost(r, vectors), -r))
     return TileKnobs(rows=rows, vectors=vectors)
+
+
+def weight_bytes(packed_weight, axes: int) -> int:
+    """The bytes of the last `axes` axes of a packed weight (static shape): what one entry of
+    any leading batch axes multiplies by, for WEIGHT_BYTES_ANNOTATION."""
+    return (math.prod(int(d) for d in packed_weight.shape[-axes:])
+            * tvm.runtime.DataType(str(packed_weight.dtype)).bits // 8)
 
 
 def tile_cost(rows: int, vectors: int) -> int:

@@ -56,12 +56,12 @@ class Profile:
 
     def table(self) -> str:
         lines = [f"{'alone us':>9} {'in run us':>9} {'share':>6} {'calls':>5}  kernel (argument "
-                 "shapes of the first call); share: of the whole run, in a run"]
+                 "shapes of the first call); share: of the profiled whole run"]
         for kernel in self.kernels:
             shapes = ", ".join(_show(shape) for shape in kernel.argument_shapes)
             lines.append(f"{kernel.seconds * 1e6:9.2f} {kernel.in_run_seconds * 1e6:9.2f} "
-                         f"{kernel.in_run_seconds / self.run_seconds:6.1%} {kernel.calls:5d}  "
-                         f"{kernel.name} ({shapes})")
+                         f"{kernel.in_run_seconds / self.instrumented_run_seconds:6.1%} "
+                         f"{kernel.calls:5d}  {kernel.name} ({shapes})")
         in_run = self.in_run_kernel_seconds
         total = self.instrumented_run_seconds
         rest = total - in_run
