@@ -101,3 +101,10 @@ def test_cli_roofline_writes_table_json_and_plot(tmp_path):
     assert layer["max_abs_error"] < 1e-4
     assert "| 1 | conv_dynamic_hw | Conv " in (tmp_path / "roofline.md").read_text()
     assert (tmp_path / "roofline.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_roofline_of_a_dynamic_model_file_asks_for_its_shapes(mlp_path, capsys):
+    from tightfit.cli import main
+
+    assert main(["bench", mlp_path, "--roofline"]) == 5
+    assert "--shapes x=batch,8" in capsys.readouterr().err
