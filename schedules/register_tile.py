@@ -218,8 +218,9 @@ def _panels_outermost(sch: s_tir.Schedule, tiles_block, batch: list, row_outer,
     if weight_bytes is not None and int(weight_bytes) > ROW_TILES_OUTER_MAX_WEIGHT_BYTES:
         return True
     row_tiles = [sch.get(loop).extent for loop in [*batch, row_outer]]
-    return all(isinstance(extent, tirx.IntImm) for extent in row_tiles) and \
-        math.prod(extent.value for extent in row_tiles) < MIN_PARALLEL_EXTENT
+    if not all(isinstance(extent, tirx.IntImm) for extent in row_tiles):
+        return False
+    return math.prod(extent.value for extent in row_tiles) < MIN_PARALLEL_EXTENT
 
 
 def _split_reduction(sch: s_tir.Schedule, reductions: list, unroll: int) -> list:

@@ -64,10 +64,6 @@ class Layer:
     flops: int
     min_bytes: int
 
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.min_bytes
-
 
 @dataclass
 class LayerResult:
@@ -78,6 +74,10 @@ class LayerResult:
     median_ms: dict[str, float] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     max_abs_error: float | None = None
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.min_bytes
 
     def gflops(self, engine: str) -> float | None:
         ms = self.median_ms.get(engine)
@@ -309,7 +309,7 @@ def roofline_table(report: RooflineReport) -> str:
              + " | ".join(f"{engine} GFLOP/s (% peak)" for engine in ENGINES) + " | max abs err |",
              "|" + "---|" * (7 + 2 * len(ENGINES))]
     for index, layer in enumerate(report.layers, 1):
-        intensity = layer.flops / layer.min_bytes
+        intensity = layer.intensity
         times = [_fmt(layer.median_ms.get(engine)) for engine in ENGINES]
         rates = []
         for engine in ENGINES:
@@ -360,7 +360,7 @@ def plot_roofline(report: RooflineReport, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     ceilings = report.ceilings
-    intensities = [layer.flops / layer.min_bytes for layer in report.layers]
+    intensities = [layer.intensity for layer in report.layers]
     low, high = min(intensities, default=1) / 2, max(intensities, default=100) * 2
     ridge = ceilings.peak_gflops / ceilings.bandwidth_gbs
     axis_x = np.geomspace(min(low, ridge / 4), max(high, ridge * 4), 200)

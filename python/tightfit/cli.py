@@ -316,10 +316,7 @@ def _bench_roofline(args, jobs, with_reference_layers: bool) -> int:
         proto = load_onnx(model)
         specs = declared_inputs(proto.graph)
         if not shape_sets:  # a static model needs none; a dynamic one is not guessed at
-            try:
-                shape_sets = [concrete_shapes(specs, {})]
-            except InputError as err:
-                raise InputError(f"{name}: {err}".replace("--shape ", "--shapes ")) from err
+            shape_sets = [concrete_shapes(specs, {}, option="--shapes")]
         # the shape set with the most input elements: the layers at their largest
         shapes = max(shape_sets,
                      key=lambda shape_set: sum(math.prod(dims) for dims in shape_set.values()))

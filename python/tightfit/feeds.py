@@ -22,7 +22,8 @@ def parse_shape_option(text: str) -> tuple[str, list[int | str]]:
 
 
 def concrete_shapes(specs: list[TensorSpec], given: dict[str, list[int | str]],
-                    default_dim: int | None = None) -> dict[str, tuple[int, ...]]:
+                    default_dim: int | None = None,
+                    option: str = "--shape") -> dict[str, tuple[int, ...]]:
     """A concrete shape for every input: declared static dims, `given` ones, symbols shared.
 
     A symbol bound by one input's given shape applies to every input that uses it; a dim that
@@ -49,7 +50,7 @@ def concrete_shapes(specs: list[TensorSpec], given: dict[str, list[int | str]],
             resolved.append(value)
         shapes[spec.name] = tuple(resolved)
     if unresolved:
-        example = " ".join(f"--shape {s.name}={','.join(str(d) for d in (s.shape or ['...']))}"
+        example = " ".join(f"{option} {s.name}={','.join(str(d) for d in (s.shape or ['...']))}"
                            for s in specs)
         raise InputError(f"dynamic dims need values: {', '.join(unresolved)}; pass e.g. {example} "
                          "with numbers in place of the names")

@@ -187,7 +187,8 @@ def test_an_epilogue_reading_a_value_twice_is_computed_in_the_write_back(knob_da
              helper.make_node("Mul", ["doubled", "half"], ["y"])]
     scalars = [numpy_helper.from_array(np.array(value, np.float32), name)
                for name, value in (("sqrt2", np.sqrt(2)), ("one", 1.0), ("half", 0.5))]
-    model = _model("gelu_mlp", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 24])],
+    model = _model("gelu_mlp", nodes,
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 24])],
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", 40])],
                    [_weight(rng, "w", (24, 40)), *scalars])
     kernel = _scheduled_kernel(model, "dense_packed", knob_database)
@@ -204,7 +205,8 @@ def test_skinny_dense_spends_the_registers_on_vectors_and_runs_over_panels(knob_
     in 2-vector panels: MobileNetV2's 1280 -> 1000 classifier 183 -> 65 us); 4 rows: as many
     vectors as the stack array allows."""
     isa = isa_for_target(resolve_target("host").tvm_target)
-    assert default_tile_knobs(isa, 300, 1) == TileKnobs(rows=1, vectors=min(8, -(-300 // isa.lanes)))
+    skinny_vectors = min(register_tile.SKINNY_VECTORS, -(-300 // isa.lanes))
+    assert default_tile_knobs(isa, 300, 1) == TileKnobs(rows=1, vectors=skinny_vectors)
     four_rows = default_tile_knobs(isa, 300, 4)
     assert four_rows.rows == 4 and isa.fits_registers(4, four_rows.vectors)
     assert not isa.fits_registers(4, four_rows.vectors + 1)
