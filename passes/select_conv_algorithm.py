@@ -27,8 +27,10 @@ Weight packing/transforms are emitted as weight-only bindings, so PreTransformWe
 runs after this pass, computes them once at compile time and stores the result.
 A conv1d (NCW) is rewritten as the conv2d of a one-row image between an expand_dims and a
 squeeze, and then chosen and emitted as any conv2d.
-Limits: grouped convs other than depthwise (multiplier 1) keep TVM's legalization; so do
-non-float32 convs and convs whose weight is computed at run time.
+A grouped conv (not depthwise) has the one candidate that takes groups, `width_vectors`, with
+channel rows that divide each group's output channels.
+Limits: non-float32 convs and convs whose weight is computed at run time keep TVM's
+legalization.
 """
 
 from __future__ import annotations
@@ -122,11 +124,14 @@ class _ConvRewriter(relax.PyExprMutator):
             return self._emit_winograd(WINOGRAD_TILES[algorithm], call, data, weight, record,
                                        name, source_weight)
         if algorithm == "width_vectors":
+            groups = int(attrs.groups)
             pointwise = conv2d.is_pointwise(*call.args[1].ty.shape.values[2:], strides, padding)
             row_extent = out_width * call.ty.shape[2] if pointwise else out_width
-            knobs = (self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
-                     or conv2d.width_tile_knobs(self.isa, out_channels,
-                                                 _pointwise_weight_bytes(call) if pointwise else None))
+            knobs = self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
+            if knobs is None or (out_channels // groups) % knobs.rows:
+                knobs = conv2d.width_tile_knobs(
+                    self.isa, out_channels, _pointwise_weight_bytes(call) if pointwise else None,
+                    groups)
             packed = emit_weight_transform(self.builder_, conv2d.pack_conv2d_weight, [weight],
                                            "conv2d_weight_rows",
                                            self.weight_only.transformed_name(source_weight, "rows"),
@@ -135,7 +140,7 @@ class _ConvRewriter(relax.PyExprMutator):
             return emit_kernel(self.builder_, conv2d.conv2d_width_vectors, [data, packed],
                                "conv2d_width_vectors", record, name, out_channels=out_channels,
                                strides=strides, padding=padding, dilation=dilation,
-                               vectors=knobs.vectors, lanes=self.isa.lanes)
+                               vectors=knobs.vectors, lanes=self.isa.lanes, groups=groups)
         knobs = self.database.tile_knobs(conv2d.DIRECT, out_channels, out_width, self.isa)
         knobs = knobs or default_tile_knobs(self.isa, out_channels, out_width, CONV_PANEL_WIDTH)
         packed = emit_weight_transform(self.builder_, conv2d.pack_conv2d_weight, [weight],
@@ -195,46 +200,30 @@ class SelectConvAlgorithm:
 
 
 def _is_supported_conv(value) -> bool:
-    if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
-        return False
-    if value.op.name != "relax.nn.conv2d":
-        return False
-    attrs = value.attrs
-    data_ty, weight_ty = value.args[0].ty, value.args[1].ty
-    if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("NCHW", "OIHW", "NCHW"):
-        return False
-    if data_ty.dtype != "float32" or weight_ty.dtype != "float32" or str(attrs.out_dtype or "float32") not in ("", "void", "float32"):
-        return False
-    if weight_ty.shape is None or not all(isinstance(d, tirx.IntImm) for d in weight_ty.shape.values):
-        return False
-    if data_ty.shape is None or not isinstance(data_ty.shape.values[1], tirx.IntImm):
-        return False
-    groups = int(attrs.groups)
-    channels = int(data_ty.shape.values[1])
-    out_channels, in_per_group = (int(d) for d in weight_ty.shape.values[:2])
-    return groups == 1 or (groups == channels == out_channels and in_per_group == 1)
+    return _is_supported(value, "relax.nn.conv2d", ("NCHW", "OIHW", "NCHW"))
 
 
 def _is_supported_conv1d(value) -> bool:
-    """An NCW/OIW fp32 conv1d with a constant-shape weight, of the groups conv2d supports."""
+    """An NCW/OIW fp32 conv1d with a constant-shape weight."""
+    return _is_supported(value, "relax.nn.conv1d", ("NCW", "OIW", "NCW"))
+
+
+def _is_supported(value, op_name: str, layouts: tuple[str, str, str]) -> bool:
+    """A call of `op_name` in `layouts`, fp32, with a constant-shape weight and a static channel
+    count (any groups: depthwise, grouped or none)."""
     if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
         return False
-    if value.op.name != "relax.nn.conv1d":
+    if value.op.name != op_name:
         return False
     attrs = value.attrs
     data_ty, weight_ty = value.args[0].ty, value.args[1].ty
-    if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("NCW", "OIW", "NCW"):
+    if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != layouts:
         return False
     if data_ty.dtype != "float32" or weight_ty.dtype != "float32" or str(attrs.out_dtype or "float32") not in ("", "void", "float32"):
         return False
     if weight_ty.shape is None or not all(isinstance(d, tirx.IntImm) for d in weight_ty.shape.values):
         return False
-    if data_ty.shape is None or not isinstance(data_ty.shape.values[1], tirx.IntImm):
-        return False
-    groups = int(attrs.groups)
-    channels = int(data_ty.shape.values[1])
-    out_channels, in_per_group = (int(d) for d in weight_ty.shape.values[:2])
-    return groups == 1 or (groups == channels == out_channels and in_per_group == 1)
+    return data_ty.shape is not None and isinstance(data_ty.shape.values[1], tirx.IntImm)
 
 
 def _has_conv(func: relax.Function) -> bool:

@@ -21,7 +21,9 @@ through every op), and each kernel changes layout inside:
 The padded row phases are packed in vector loads and shuffles (padding.py).
 Memory footprint (MNN pre-inference; recorded by passes/select_conv_algorithm.py): the packed
 input (workspace) and the packed weights.
-Limits: groups must be 1 (direct, width vectors) or equal to the channel count (depthwise); fp32.
+Grouped convs (ResNeXt's 3x3, ShuffleNet's 1x1) run as width vectors whose channel rows divide
+each group's output channels, so a tile never straddles two groups and reads one group's input
+channels. Limits: groups must be 1 for direct; fp32.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def is_pointwise(kernel_h: int, kernel_w: int, strides, padding) -> bool:
 
 
 def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, strides,
-                         padding, dilation, vectors: int, lanes: int) -> te.Tensor:
+                         padding, dilation, vectors: int, lanes: int, groups: int = 1) -> te.Tensor:
     """NCHW conv as register tiles over (output channels; output columns), NCHW throughout.
 
     A tile holds `channel_rows` output channels (the weight panel width) x `vectors` vectors of
@@ -149,18 +151,31 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
     map fills three vectors and a shifted tail instead of seven lanes of one vector per row
     (MobileNetV2's 1x1 convs at 14x14 and 7x7 ran at 12% of peak per row). The write-back's
     (h, w) are fused to that axis when it is scheduled (`flatten_output_pixels`).
+
+    With `groups` > 1 the channel rows must divide each group's output channels
+    (`width_tile_knobs`): a tile's panel then lies in one group, whose input channels its
+    reduction runs over (the packed weight's input axis holds one group's channels).
     """
-    batch, channels, height, width = data.shape
-    panels, kernel_h, kernel_w, _, channel_rows = (int(d) for d in packed_weight.shape)
+    batch, _, height, width = data.shape
+    panels, kernel_h, kernel_w, group_channels, channel_rows = (int(d) for d in packed_weight.shape)
+    if groups > 1 and (out_channels // groups) % channel_rows:
+        raise ValueError(f"{channel_rows} channel rows do not divide a group's "
+                         f"{out_channels // groups} output channels")
+    panels_per_group = panels // groups
     tile_columns = vectors * lanes
     attrs = {KERNEL_ANNOTATION: WIDTH_VECTORS, ROWS_ANNOTATION: tile_columns,
              VECTORS_ANNOTATION: vectors, CHANNEL_ROWS_ANNOTATION: channel_rows,
              WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 5)}
-    rc = te.reduce_axis((0, channels), "rc")
+    rc = te.reduce_axis((0, group_channels), "rc")
+
+    def input_channel(o):
+        # the panel, not o: o // channel_rows is the tile's outer channel loop once split
+        return rc if groups == 1 else (o // channel_rows) // panels_per_group * group_channels + rc
+
     if is_pointwise(kernel_h, kernel_w, strides, padding):
         def pixel_value(n, o, p):
             weight = packed_weight[o // channel_rows, 0, 0, rc, o % channel_rows]
-            return te.sum(data[n, rc, p // width, p % width] * weight, axis=rc)
+            return te.sum(data[n, input_channel(o), p // width, p % width] * weight, axis=rc)
 
         tiles = te.compute((batch, panels * channel_rows, tirx.max(height * width, tile_columns)),
                            pixel_value, name="conv2d_width_tiles",
@@ -181,7 +196,7 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
 
     def tile_value(n, o, oh, ow):
         tap = rx * dil_w
-        pixel = packed_input[n, rc, oh * stride_h + ry * dil_h, tap % stride_w,
+        pixel = packed_input[n, input_channel(o), oh * stride_h + ry * dil_h, tap % stride_w,
                              ow + tap // stride_w]
         weight = packed_weight[o // channel_rows, ry, rx, rc, o % channel_rows]
         return te.sum(pixel * weight, axis=[ry, rx, rc])
@@ -211,7 +226,7 @@ def flatten_output_pixels(sch: s_tir.Schedule, out_block) -> None:
 
 
 def width_tile_knobs(isa: VectorISA, out_channels: int,
-                     pointwise_weight_bytes: int | None = None) -> TileKnobs:
+                     pointwise_weight_bytes: int | None = None, groups: int = 1) -> TileKnobs:
     """Channel rows x vectors of columns for a conv2d_width_vectors tile.
 
     One vector along an output row: the shifted tail of two-vector tiles recomputes up to a
@@ -228,10 +243,13 @@ def width_tile_knobs(isa: VectorISA, out_channels: int,
     pixel with the channel rows as the vector). The channel rows are the count, among those
     whose tile fits the registers (isa.fits_registers), with the least `tile_cost` over all
     output channels, padding included: 16 channels in two 8-row tiles rather than 15 + 1.
+    With `groups` > 1 only counts dividing a group's output channels qualify (a ResNeXt group
+    of 4 channels gets 4-row tiles).
     """
     vectors = 2 if (pointwise_weight_bytes is not None
                     and pointwise_weight_bytes <= ROW_TILES_OUTER_MAX_WEIGHT_BYTES) else 1
-    fitting = [r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)]
+    fitting = [r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)
+               and (groups == 1 or (out_channels // groups) % r == 0)]
     channel_rows = min(fitting, key=lambda r: (-(-out_channels // r) * tile_cost(r, vectors), -r))
     return TileKnobs(rows=channel_rows, vectors=vectors)
 

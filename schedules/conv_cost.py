@@ -122,6 +122,8 @@ def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates) -> list[Cand
     if shape.is_depthwise:
         return [_depthwise(shape, rates)]
     width = _width_vectors(shape, isa, rates)
+    if shape.groups > 1:  # the only kernel with groups (conv2d.py)
+        return [width]
     candidates = [_direct(shape, isa, rates), width]
     if is_winograd_eligible(shape):
         candidates += [_winograd(shape, isa, width, name) for name in WINOGRAD_TILES]
@@ -174,7 +176,7 @@ def _width_vectors(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
     # a typical extent, a late layer's map is a few pixels, where two vectors' fewer channel rows
     # cost much more, and six of MobileNetV2's pointwise layers went to conv2d_direct, 4x slower
     # on their real 14 x 14 maps
-    channel_rows = width_tile_knobs(isa, shape.out_channels).rows
+    channel_rows = width_tile_knobs(isa, shape.out_channels, groups=shape.groups).rows
     pointwise = is_pointwise(*shape.kernel, shape.strides, shape.padding)
     rows, row_width = (1, out_h * out_w) if pointwise else (out_h, out_w)
     if row_width >= isa.lanes:
@@ -184,13 +186,14 @@ def _width_vectors(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
     else:
         columns = isa.lanes
     out_channels = -(-shape.out_channels // channel_rows) * channel_rows
-    macs = int(shape.batch * rows * columns * out_channels * shape.channels * kh * kw)
+    group_channels = shape.channels // shape.groups
+    macs = int(shape.batch * rows * columns * out_channels * group_channels * kh * kw)
     top, left, bottom, right = shape.padding
     packed_input = 0 if pointwise else (shape.batch * shape.channels * (shape.height + top + bottom)
                                         * (shape.width + left + right))
     seconds = (macs / (rates.macs_per_second * KERNEL_EFFICIENCY["width_vectors"])
                + 2 * packed_input * BYTES_PER_FLOAT / rates.bytes_per_second)
-    weights = out_channels * shape.channels * kh * kw * BYTES_PER_FLOAT
+    weights = out_channels * group_channels * kh * kw * BYTES_PER_FLOAT
     return Candidate("width_vectors", seconds, macs, packed_input * BYTES_PER_FLOAT, weights)
 
 

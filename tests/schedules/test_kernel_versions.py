@@ -13,6 +13,8 @@ import re
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import tvm
 from onnx import TensorProto, helper, numpy_helper
 
@@ -245,6 +247,35 @@ def test_width_vectors_conv_versions_match_onnxruntime_at_vector_edges(knob_data
     assert_matches_onnxruntime(conv_model(4, 17, groups=1, kernel=kernel, stride=stride),
                                "conv2d_width_vectors", knob_database,
                                lambda w: {"x": _normal(1, 4, 5, w)}, widths)
+
+
+@pytest.mark.parametrize("channels, out_channels, groups, kernel, stride", [
+    (16, 16, 4, 3, 1),  # ResNeXt's grouped 3x3
+    (12, 24, 3, 1, 1),  # ShuffleNet's grouped 1x1 (pointwise: tiles along the pixel plane)
+    (8, 12, 2, 3, 2),
+    (4, 8, 4, 3, 1),  # depthwise with a channel multiplier of 2: one input channel per group
+], ids=["resnext_3x3", "shufflenet_1x1", "strided", "depthwise_multiplier_2"])
+def test_grouped_conv_versions_match_onnxruntime_at_vector_edges(knob_database, channels,
+                                                                 out_channels, groups, kernel,
+                                                                 stride):
+    """A grouped conv runs the width-vectors kernel, each tile reading its own group's input
+    channels; the widths probe every version as the ungrouped test does."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    widths = sorted({(stride * (edge - 1) + 1) for edge in row_edges(lanes)} | {stride * lanes})
+    assert_matches_onnxruntime(
+        conv_model(channels, out_channels, groups=groups, kernel=kernel, stride=stride),
+        "conv2d_width_vectors", knob_database, lambda w: {"x": _normal(1, channels, 5, w)}, widths)
+
+
+@given(groups=st.integers(2, 64), group_out_channels=st.integers(1, 96),
+       pointwise_weight_bytes=st.sampled_from([None, 1 << 10, 1 << 20]))
+def test_grouped_width_tiles_never_straddle_two_groups(groups, group_out_channels,
+                                                        pointwise_weight_bytes):
+    isa = isa_for_target(resolve_target("host").tvm_target)
+    knobs = conv2d.width_tile_knobs(isa, groups * group_out_channels, pointwise_weight_bytes,
+                                    groups)
+    assert group_out_channels % knobs.rows == 0
+    assert isa.fits_registers(knobs.rows, knobs.vectors)
 
 
 @pytest.mark.parametrize("panels_outer", [False, True], ids=["pixel_tiles_outer", "panels_outer"])

@@ -48,3 +48,14 @@ def test_winograd_workspace_counts_the_transformed_input_and_products():
     tiles = (56 // 4) ** 2
     assert costs["winograd_f4"].workspace_bytes == 2 * 36 * tiles * 64 * 4
     assert choose(list(costs.values()), max_workspace_bytes=1 << 20).name != "winograd_f4"
+
+
+def test_a_grouped_conv_is_costed_on_its_groups_channels_with_width_vectors_only():
+    """ResNeXt's 3x3 in 32 groups of 4 channels: no Winograd or direct candidate (they take no
+    groups), multiply-adds and weights over each group's 4 input channels."""
+    grouped = ConvShape(1, 128, 28, 28, 128, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 32)
+    costs = candidate_costs(grouped, AVX512, Rates.for_target(AVX512, 2, None))
+    assert [c.name for c in costs] == ["width_vectors"]
+    # 28 rows of two 16-lane vectors, 128 output channels in whole 4-row tiles
+    assert costs[0].macs == 28 * 32 * 128 * 4 * 9
+    assert costs[0].weight_bytes == 128 * 4 * 9 * 4
