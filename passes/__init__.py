@@ -2,6 +2,7 @@
 
 from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
+from .keep_reshapes_as_views import KeepReshapesAsViews, legalize_views
 from .lower_nonzero import LowerNonZero
 from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
@@ -14,6 +15,7 @@ from .use_fast_math import UseFastMath
 __all__ = [
     "ClassifyDynamism",
     "FoldBatchNorm",
+    "KeepReshapesAsViews",
     "LowerNonZero",
     "PreTransformWeights",
     "RankDimensionPropagation",
@@ -22,4 +24,5 @@ __all__ = [
     "ShareSymbolicStorage",
     "SinkIntoBranches",
     "UseFastMath",
+    "legalize_views",
 ]

@@ -21,6 +21,7 @@ from .errors import CompilationError
 from .passes import (
     ClassifyDynamism,
     FoldBatchNorm,
+    KeepReshapesAsViews,
     LowerNonZero,
     PreTransformWeights,
     RankDimensionPropagation,
@@ -29,6 +30,7 @@ from .passes import (
     ShareSymbolicStorage,
     SinkIntoBranches,
     UseFastMath,
+    legalize_views,
 )
 from .schedules import FallbackCPUSchedule, ScheduleKernels
 from .weight_file import WeightTensor
@@ -77,13 +79,14 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         LowerNonZero(),
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
-        relax.transform.LegalizeOps(),
+        relax.transform.LegalizeOps(legalize_views()),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        # a reshape kernel becomes a view (the VM's reshape) while its PrimFunc still reads as a
-        # reshape: once scheduled, its loops no longer match TVM's pattern and it stays a copy
+        # a reshape kernel that fusion left alone becomes a view (the VM's reshape), before it is
+        # scheduled: those LegalizeOps marked, then any other whose PrimFunc TVM proves a reshape
+        KeepReshapesAsViews(),
         relax.transform.RewriteDataflowReshape(),
         relax.transform.DeadCodeElimination(),
         # 4. schedule kernels: tuned records where the database has them, tightfit's kernels in one

@@ -134,6 +134,37 @@ def conv_dynamic_hw() -> onnx.ModelProto:
                    [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 5, "out_h", "out_w"])])
 
 
+def grouped_convnet() -> onnx.ModelProto:
+    """Grouped convolutions as ShuffleNet (v1) and ResNeXt use them: two ShuffleNet units (a
+    1x1 conv in 3 groups, the channel shuffle as Reshape-Transpose-Reshape to the input's own
+    shape, a depthwise 3x3, a 1x1 conv in 3 groups, the residual add), then a ResNeXt
+    bottleneck whose 3x3 conv runs in 8 groups of 8 channels at stride 2, global pooling and a
+    classifier. Batch, height and width are dynamic."""
+    g = _GraphBuilder(seed=6)
+    x = g.op("MaxPool", [g.op("Relu", [g.conv("image", 3, 24, 3, stride=2)])],
+             kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    x = g.op("Relu", [g.conv(x, 24, 120, 1)])
+    groups, bottleneck = 3, 30
+    for _ in range(2):
+        y = g.op("Relu", [g.batch_norm(g.conv(x, 120, bottleneck, 1, groups=groups), bottleneck)])
+        grouped = g.op("Reshape", [y, g.const(np.array([0, groups, bottleneck // groups, -1], np.int64))])
+        shuffled = g.op("Transpose", [grouped], perm=[0, 2, 1, 3])
+        y = g.op("Reshape", [shuffled, g.op("Shape", [y])])
+        y = g.batch_norm(g.conv(y, bottleneck, bottleneck, 3, groups=bottleneck), bottleneck)
+        y = g.batch_norm(g.conv(y, bottleneck, 120, 1, groups=groups), 120)
+        x = g.op("Relu", [g.op("Add", [x, y])])
+    y = g.op("Relu", [g.conv(x, 120, 64, 1)])
+    y = g.op("Relu", [g.conv(y, 64, 64, 3, stride=2, groups=8)])
+    y = g.conv(y, 64, 128, 1)
+    x = g.op("Relu", [g.op("Add", [y, g.conv(x, 120, 128, 1, stride=2)])])
+    pooled = g.op("Flatten", [g.op("GlobalAveragePool", [x])], axis=1)
+    g.op("Gemm", [pooled, g.weight((10, 128)), g.const(np.zeros(10, np.float32))], out="logits",
+         transB=1)
+    return g.model("grouped_convnet",
+                   [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+                   [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])])
+
+
 def gated_skip_block() -> onnx.ModelProto:
     """SkipNet-style gating: an `If` on mean(x) > 0 runs a conv block (then) or only scales the
     input (else); both branches give the same shape."""
@@ -417,6 +448,10 @@ _MODELS = [
     ZooModel(name="conv_dynamic_hw", build=conv_dynamic_hw, feeds=None, dynamic=True,
              shape_sets=[{"image": (1, 3, 32, 32)}, {"image": (1, 3, 45, 61)}, {"image": (1, 3, 64, 20)}],
              description="fully convolutional net, dynamic H/W"),
+    ZooModel(name="grouped_convnet", build=grouped_convnet, feeds=None, dynamic=True,
+             shape_sets=[{"image": (1, 3, 96, 96)}, {"image": (2, 3, 64, 80)}],
+             description="ShuffleNet units and a ResNeXt bottleneck: grouped convs, channel "
+                         "shuffle; dynamic batch/H/W"),
     ZooModel(name="gated_skip_block", build=gated_skip_block, feeds=_signed_feeds, dynamic=True,
              shape_sets=[{"x": (2, 8, 16, 16)}, {"x": (1, 8, 16, 16)}, {"x": (3, 8, 16, 16)}],
              description="If on a data-dependent gate (both branches exercised)"),
