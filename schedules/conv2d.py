@@ -16,6 +16,8 @@ through every op), and each kernel changes layout inside:
   input padded and split into row phases (`pack_input_phases`), or, pointwise, as it is, its
   columns then running along each image's whole flattened pixel plane. The cost model
   (conv_cost.py) prefers it to `conv2d_direct` wherever it measured faster.
+- `im2col` + the pointwise `conv2d_width_vectors`: the input unfolded to C x KH x KW channels
+  per output pixel, then a GEMM along the flattened pixels (explicit im2col + GEMM).
 - `conv2d_depthwise`: one filter per channel has no reduction over channels to vectorize, so
   the vectors run along the output width in NCHW directly, over the same padded row phases.
 The padded row phases are packed in vector loads and shuffles (padding.py).
@@ -81,6 +83,36 @@ def pack_conv2d_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
 
     return te.compute((panels, kernel_h, kernel_w, in_channels, panel_width), packed,
                       name="conv2d_weight_panels")
+
+
+def im2col(data: te.Tensor, kernel: tuple[int, int], strides, padding, dilation) -> te.Tensor:
+    """The input unfolded, [N, C x KH x KW, OH, OW]: channel k = (c, ry, rx) of pixel (oh, ow)
+    is the padded input at (c, oh * sh + ry * dh, ow * sw + rx * dw). A 1x1 conv over it with
+    the weight as [O, C x KH x KW] (`pack_im2col_weight`) is the conv: explicit im2col + GEMM,
+    the GEMM being the pointwise width-vectors kernel along the whole flattened pixel plane."""
+    batch, channels, height, width = data.shape
+    (kernel_h, kernel_w), (stride_h, stride_w), (dil_h, dil_w) = kernel, strides, dilation
+    top, left, bottom, right = padding
+    out_h = output_extent(height, top, bottom, kernel_h, stride_h, dil_h)
+    out_w = output_extent(width, left, right, kernel_w, stride_w, dil_w)
+    padded = zero_padded(data, padding)
+    taps = kernel_h * kernel_w
+
+    def column(n, k, oh, ow):
+        ry, rx = k % taps // kernel_w, k % kernel_w
+        return padded(n, k // taps, oh * stride_h + ry * dil_h, ow * stride_w + rx * dil_w)
+
+    return te.compute((batch, channels * taps, out_h, out_w), column, name="im2col")
+
+
+def pack_im2col_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
+    """OIHW -> the pointwise panels [ceil(O / NB), 1, 1, I x KH x KW, NB] of `im2col`'s GEMM."""
+    out_channels, in_channels, kernel_h, kernel_w = (int(d) for d in weight.shape)
+    taps = kernel_h * kernel_w
+    rows = te.compute((out_channels, in_channels * taps, 1, 1),
+                      lambda o, k, _h, _w: weight[o, k // taps, k % taps // kernel_w, k % kernel_w],
+                      name="im2col_weight")
+    return pack_conv2d_weight(rows, panel_width)
 
 
 def conv2d_direct(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, strides, padding,

@@ -50,6 +50,22 @@ WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
 # value through the input or the output transform costs ~100 ps (~18 of the width kernel's
 # multiply-adds); each extra kernel ~2 us of thread-pool launch and VM call (~350k).
 WINOGRAD_GEMM_EFFICIENCY = {16: 0.55, 32: 1.0, 64: 1.45}
+# im2col + GEMM, measured on this host (AVX-512, 2 threads, one conv alone and in whole runs):
+# the GEMM over the unfolded input runs as the pointwise width kernel while its reduction fits
+# L1 with the weight panel (depth x (16 lanes + ~13 channel rows) x 4 bytes under 48 KB: depth
+# <= IM2COL_L1_DEPTH), at IM2COL_DEEP_EFFICIENCY of it beyond (256 -> 256 3x3 on 14x14, depth
+# 2304: 1.55 ms against the 3x3 width kernel's 1.0 ms; its reduction streams from L2, with no
+# cache blocking); the unfolding kernel moves each value twice (0.2-0.7 ns a value measured, as
+# the model's bytes at 10 GB/s); and a second kernel costs ~10 us inside a run (its launch, and
+# its output read back from the other core: detector_fpn's 8 -> 16 3x3 stride-2 conv took 15
+# us alone either way, 16 us in a run as the width kernel and 25 us as im2col + GEMM), counted
+# in the width kernel's multiply-adds at its measured ~130 GMAC/s. Measured im2col / width:
+# 0.73 and 0.77 on 1x1 stride-2 convs (ResNet's downsampling shortcuts: the unfolding is a
+# subsample, and the width kernel packs every stride phase and wastes columns on short rows),
+# 1.05-1.9 on the 3x3 convs tried; the model agrees on each.
+IM2COL_L1_DEPTH = 384
+IM2COL_DEEP_EFFICIENCY = 0.45
+IM2COL_KERNEL_MACS = 1_300_000
 WINOGRAD_MACS_PER_TRANSFORMED_VALUE = 18
 KERNEL_LAUNCH_MACS = 350_000
 
@@ -125,6 +141,8 @@ def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates) -> list[Cand
     if shape.groups > 1:  # the only kernel with groups (conv2d.py)
         return [width]
     candidates = [_direct(shape, isa, rates), width]
+    if not is_pointwise(*shape.kernel, shape.strides, shape.padding):
+        candidates.append(_im2col(shape, isa, rates))
     if is_winograd_eligible(shape):
         candidates += [_winograd(shape, isa, width, name) for name in WINOGRAD_TILES]
     return candidates
@@ -195,6 +213,22 @@ def _width_vectors(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
                + 2 * packed_input * BYTES_PER_FLOAT / rates.bytes_per_second)
     weights = out_channels * group_channels * kh * kw * BYTES_PER_FLOAT
     return Candidate("width_vectors", seconds, macs, packed_input * BYTES_PER_FLOAT, weights)
+
+
+def _im2col(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
+    """The unfolded input (conv2d.im2col: C x KH x KW channels per output pixel, written and read
+    back) and the pointwise width-vectors GEMM over each image's flattened pixels, whose tiles
+    waste no columns on short rows (IM2COL_* above). Workspace = the unfolded input."""
+    out_h, out_w = shape.out_hw
+    kh, kw = shape.kernel
+    depth = shape.channels * kh * kw
+    unfolded = shape.batch * depth * out_h * out_w
+    gemm = _width_vectors(ConvShape(shape.batch, depth, out_h, out_w, shape.out_channels, (1, 1),
+                                    (1, 1), (1, 1), (0, 0, 0, 0), 1), isa, rates)
+    gemm_seconds = gemm.seconds / (1.0 if depth <= IM2COL_L1_DEPTH else IM2COL_DEEP_EFFICIENCY)
+    seconds = (gemm_seconds + 2 * unfolded * BYTES_PER_FLOAT / rates.bytes_per_second
+               + IM2COL_KERNEL_MACS / (rates.macs_per_second * KERNEL_EFFICIENCY["width_vectors"]))
+    return Candidate("im2col", seconds, gemm.macs, unfolded * BYTES_PER_FLOAT, gemm.weight_bytes)
 
 
 def _depthwise(shape: ConvShape, rates: Rates) -> Candidate:

@@ -249,6 +249,20 @@ def test_width_vectors_conv_versions_match_onnxruntime_at_vector_edges(knob_data
                                lambda w: {"x": _normal(1, 4, 5, w)}, widths)
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_im2col_conv_matches_onnxruntime_at_pixel_plane_edges(knob_database, stride):
+    """Explicit im2col + GEMM: an unfolding kernel, then the pointwise width-vectors GEMM along
+    the flattened output pixels, at output planes a vector (16 lanes: 5 rows x 3 or 4 columns)
+    less, equal or more wide."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    widths = sorted({(stride * (edge - 1) + 1) for edge in row_edges(lanes)} | {stride * lanes})
+    model = conv_model(4, 17, groups=1, kernel=3, stride=stride)
+    assert "im2col" in _scheduled_kernel(model, "im2col", knob_database, conv_algorithms=("im2col",))
+    assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
+                               lambda w: {"x": _normal(1, 4, 5, w)}, widths,
+                               conv_algorithms=("im2col",))
+
+
 @pytest.mark.parametrize("channels, out_channels, groups, kernel, stride", [
     (16, 16, 4, 3, 1),  # ResNeXt's grouped 3x3
     (12, 24, 3, 1, 1),  # ShuffleNet's grouped 1x1 (pointwise: tiles along the pixel plane)
