@@ -95,6 +95,30 @@ def test_depthwise_conv_compiled_for_arm64_runs_on_the_emulated_device(tracker, 
         assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
+@pytest.mark.parametrize("groups, kernel, stride, algorithm", [
+    (4, 3, 1, "width_vectors"),  # ResNeXt-style: NEON tiles of a group's 4 channels
+    (1, 3, 2, "im2col"),  # the unfolding kernel, then the pointwise GEMM in 4-lane vectors
+    (1, 1, 2, "im2col"),  # a strided shortcut, where the model picks im2col
+], ids=["grouped", "im2col_3x3", "im2col_1x1_strided"])
+def test_grouped_and_im2col_convs_compiled_for_arm64_run_on_the_emulated_device(
+        tracker, arm64_device, groups, kernel, stride, algorithm):
+    rng = np.random.default_rng(5)
+    weight = numpy_helper.from_array((rng.standard_normal((16, 16 // groups, kernel, kernel)) * 0.2)
+                                     .astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kernel, kernel],
+                          pads=[kernel // 2] * 4, group=groups, strides=[stride, stride])],
+        "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, None, None])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = tightfit.PipelineOptions(conv_algorithms=(algorithm,))
+    session = tightfit.compile(model, "emulated-arm64", options=options).remote_session(
+        str(tracker), arm64_device)
+    for width in (3, 9, 23):
+        feeds = {"x": rng.standard_normal((1, 16, 7, width)).astype(np.float32)}
+        assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
+
+
 def _tune_command(model_path, tracker, database, trials):
     return [sys.executable, "-m", "tightfit.cli", "tune", str(model_path), "--target", "emulated-arm64",
             "--shape", "x=8,8", "--rpc-tracker", str(tracker), "--rpc-key", KEY, "--trials", str(trials),

@@ -457,8 +457,9 @@ def test_narrow_rows_with_a_residual_input_keep_their_column_check(knob_database
 @pytest.mark.parametrize("model, kernel", [(dense_model(40), "dense_packed"),
                                            (batched_matmul_model(20), "matmul_packed_rhs"),
                                            (conv_model(4, 24, groups=1), "conv2d_width_vectors"),
-                                           (conv_model(6, 6, groups=6), "conv2d_depthwise")],
-                         ids=["dense", "batched_matmul", "conv", "depthwise"])
+                                           (conv_model(6, 6, groups=6), "conv2d_depthwise"),
+                                           (conv_model(16, 16, groups=4), "conv2d_width_vectors")],
+                         ids=["dense", "batched_matmul", "conv", "depthwise", "grouped"])
 def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
     target = resolve_target(ARM64)
     scheduled, _ = run_pipeline(import_onnx(model).mod, target,
