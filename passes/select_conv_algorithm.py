@@ -105,8 +105,11 @@ class _ConvRewriter(relax.PyExprMutator):
         """Cost the candidates of the conv2d `call`, emit the cheapest; `source_weight` names the
         packed weight in the weight file."""
         shape = ConvShape.from_call(call, self.typical)
-        costs = [c for c in candidate_costs(shape, self.isa, self.rates)
-                 if self.algorithms is None or c.name in self.algorithms or c.name == "depthwise"]
+        costs = candidate_costs(shape, self.isa, self.rates)
+        # a conv none of the allowed algorithms applies to (im2col on a pointwise conv, Winograd
+        # on a strided one) keeps its own candidates
+        allowed = [c for c in costs if self.algorithms is None or c.name in self.algorithms]
+        costs = allowed or costs
         chosen = choose(costs, self.max_workspace_bytes)
         return self._emit(chosen.name, call, data, weight, costs, name, source_weight)
 

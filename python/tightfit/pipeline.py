@@ -52,7 +52,8 @@ class PipelineOptions:
     # a MetaSchedule database (`tightfit tune --db DIR`): its best records schedule the kernels
     # they were tuned for, ahead of tightfit's own schedules
     tuning_database: str | None = None
-    # the conv algorithms SelectConvAlgorithm may choose from (None: all; to compare kernels)
+    # the conv algorithms SelectConvAlgorithm may choose from (None: all; to compare kernels); a
+    # conv that none of them applies to keeps its own candidates
     conv_algorithms: tuple[str, ...] | None = None
 
 

@@ -263,6 +263,27 @@ def test_im2col_conv_matches_onnxruntime_at_pixel_plane_edges(knob_database, str
                                conv_algorithms=("im2col",))
 
 
+def test_a_conv_no_allowed_algorithm_applies_to_keeps_its_own_candidates():
+    """Forcing im2col (for comparing kernels) on a model with a pointwise conv, which im2col
+    does not unfold: that conv gets the width kernel, the 3x3 one im2col."""
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Conv", ["c", "w2"], ["y"], kernel_shape=[1, 1])]
+    model = _model("conv_pair", nodes,
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 5, "w"])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 5, "w"])],
+                   [_weight(rng, "w1", (8, 4, 3, 3)), _weight(rng, "w2", (8, 8, 1, 1))])
+    options = PipelineOptions(conv_algorithms=("im2col",))
+    selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                               stop_after="tightfit.SelectConvAlgorithm")
+    chosen = sorted(str(func.attrs["tightfit.algorithm"]) for func in selected.functions.values()
+                    if func.attrs is not None and "tightfit.algorithm" in func.attrs)
+    assert chosen == ["im2col", "width_vectors"]
+    feeds = {"x": _normal(1, 4, 5, 9)}
+    np.testing.assert_allclose(tightfit.compile(model, options=options).session().run(feeds)["y"],
+                               run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("channels, out_channels, groups, kernel, stride", [
     (16, 16, 4, 3, 1),  # ResNeXt's grouped 3x3
     (12, 24, 3, 1, 1),  # ShuffleNet's grouped 1x1 (pointwise: tiles along the pixel plane)
