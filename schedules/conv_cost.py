@@ -15,10 +15,11 @@ at 3 GHz on the target's cores for the register-tile GEMM, a quarter of that for
 transforms (short, shuffle-bound loops), 10 GB/s for memory. Zero padding of output channels to
 whole vector panels counts as work, because the kernels do it.
 Every candidate also reports its memory: workspace (packed input, Winograd's transformed input
-and GEMM result) and packed/transformed weight bytes, for the budget-aware choice (FlexNN) and
-the memory plan.
-Limits: symbolic extents are costed at a typical value; the model has no cache model (a layer
-that fits L2 and one that does not cost the same per multiply-add).
+and GEMM result, im2col's unfolded input) and packed/transformed weight bytes, for the
+budget-aware choice (FlexNN) and the memory plan.
+Limits: symbolic extents are costed at a typical value; beyond im2col's reduction depth the
+model has no cache model (a layer that fits L2 and one that does not cost the same per
+multiply-add).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
 # value through the input or the output transform costs ~100 ps (~18 of the width kernel's
 # multiply-adds); each extra kernel ~2 us of thread-pool launch and VM call (~350k).
 WINOGRAD_GEMM_EFFICIENCY = {16: 0.55, 32: 1.0, 64: 1.45}
+WINOGRAD_MACS_PER_TRANSFORMED_VALUE = 18
+KERNEL_LAUNCH_MACS = 350_000
 # im2col + GEMM, measured on this host (AVX-512, 2 threads, one conv alone and in whole runs):
 # the GEMM over the unfolded input runs as the pointwise width kernel while its reduction fits
 # L1 with the weight panel (depth x (16 lanes + ~13 channel rows) x 4 bytes under 48 KB: depth
@@ -66,8 +69,6 @@ WINOGRAD_GEMM_EFFICIENCY = {16: 0.55, 32: 1.0, 64: 1.45}
 IM2COL_L1_DEPTH = 384
 IM2COL_DEEP_EFFICIENCY = 0.45
 IM2COL_KERNEL_MACS = 1_300_000
-WINOGRAD_MACS_PER_TRANSFORMED_VALUE = 18
-KERNEL_LAUNCH_MACS = 350_000
 
 
 @dataclass(frozen=True)
