@@ -209,7 +209,7 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
             weight = packed_weight[o // channel_rows, 0, 0, rc, o % channel_rows]
             return te.sum(data[n, input_channel(o), p // width, p % width] * weight, axis=rc)
 
-        tiles = te.compute((batch, panels * channel_rows, tirx.max(height * width, tile_columns)),
+        tiles = te.compute((batch, panels * channel_rows, _pixel_domain(height, width, tile_columns)),
                            pixel_value, name="conv2d_width_tiles",
                            attrs={**attrs, OUTPUT_ROW_AXIS_ANNOTATION: 2,
                                   FLAT_PIXELS_ANNOTATION: True})
@@ -237,6 +237,18 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
                        name="conv2d_width_tiles", attrs={**attrs, OUTPUT_ROW_AXIS_ANNOTATION: 3})
     return te.compute((batch, out_channels, out_h, out_w),
                       lambda n, o, h, w: tiles[n, o, h, w], name="conv2d_width_out")
+
+
+def _pixel_domain(height, width, tile_columns: int):
+    """The flat tiles' pixel domain: at least the pixel plane and one tile (tail_tiles.py).
+    With a static height it is written height x max(width, tile / height), a multiple of the
+    height: as max(height x width, tile), TVM could not prove the write-back's region covered
+    for heights that do not divide the tile (6, 12, 48 at 32 columns) and scheduling failed.
+    The two differ only where the plane is narrower than a tile (the single-row version, which
+    restricts its loop to the plane)."""
+    if isinstance(height, tirx.IntImm):
+        return height * tirx.max(width, -(-tile_columns // int(height)))
+    return tirx.max(height * width, tile_columns)
 
 
 def output_row_extent(out_shape, annotations) -> tuple[object, int]:

@@ -341,6 +341,19 @@ def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_dat
                                planes, conv_algorithms=("width_vectors",))
 
 
+@pytest.mark.parametrize("height", [6, 12])
+def test_pointwise_conv_over_a_static_height_and_a_symbolic_width(knob_database, height):
+    """A text line's maps (OCR: the height fixed, the width dynamic), at heights that do not
+    divide a tile's columns, where the write-back's region was not proven covered and the
+    compile failed; planes under, at and over a tile and with a shifted tail."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    widths = sorted({1, 2, -(-2 * lanes // height), -(-2 * lanes // height) + 1, 3 * lanes + 1})
+    assert_matches_onnxruntime(conv_model(6, 17, groups=1, kernel=1, height=height),
+                               "conv2d_width_vectors", knob_database,
+                               lambda w: {"x": _normal(1, 6, height, w)}, widths,
+                               conv_algorithms=("width_vectors",))
+
+
 def test_conv1d_runs_as_a_conv2d_kernel_at_width_bucket_edges(knob_database):
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     assert_matches_onnxruntime(conv1d_model(6, 20, stride=2), "conv2d_width_vectors", knob_database,
