@@ -79,3 +79,37 @@ def test_unaligned_inputs_staged_in_a_kept_buffer_leave_earlier_outputs_alone():
     np.testing.assert_array_equal(first, np.full((2, 4), 1.0, np.float32))
     np.testing.assert_array_equal(second, np.full((2, 4), -2.0, np.float32))
     np.testing.assert_array_equal(third, np.full((5, 4), 3.0, np.float32))
+
+
+def reshaped_outputs_model():
+    """z = reshape(relu(x)) alone, and y = relu(x) beside r = reshape(y): views of one result."""
+    nodes = [helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("Reshape", ["y", "shape"], ["r"]),
+             helper.make_node("Relu", ["x"], ["y2"]),
+             helper.make_node("Reshape", ["y2", "shape"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "reshaped_outputs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4]),
+         helper.make_tensor_value_info("r", TensorProto.FLOAT, ["m", 2]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, ["m", 2])],
+        [numpy_helper.from_array(np.array([-1, 2]), "shape")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_reshaped_result_is_handed_out_without_a_copy_unless_another_output_shares_it():
+    """The VM's reshape is a view: an output that is a view of a fresh result is fresh (no
+    ~5 us copy), but two outputs viewing one result are both copied, so that writing one leaves
+    the other alone; either way an earlier run's outputs keep their values."""
+    package = tightfit.compile(reshaped_outputs_model())
+    session = package.session()
+    x = np.arange(-4, 4, dtype=np.float32).reshape(2, 4)
+    outputs = session.run({"x": x})
+    fresh = dict(zip(session.output_names, package.fresh_outputs))
+    assert fresh["z"] and not fresh["y"] and not fresh["r"]
+    kept = {name: value.copy() for name, value in outputs.items()}
+    outputs["y"][...] = 7
+    np.testing.assert_array_equal(outputs["r"], kept["r"])
+    session.run({"x": -x})
+    np.testing.assert_array_equal(outputs["z"], kept["z"])
+    np.testing.assert_array_equal(kept["z"], np.maximum(x, 0).reshape(-1, 2))

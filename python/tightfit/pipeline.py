@@ -228,20 +228,29 @@ def split_weights(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[WeightTensor]]:
 ALLOCATIONS = ("relax.vm.alloc_tensor", "relax.memory.alloc_tensor", "relax.builtin.alloc_tensor")
 
 
+def _is_reshape_view(call: relax.Call) -> bool:
+    """A reshape, before VM lowering (the op) or after (the VM builtin it becomes)."""
+    if isinstance(call.op, tvm.ir.Op):
+        return call.op.name == "relax.reshape"
+    return isinstance(call.op, relax.ExternFunc) and call.op.global_symbol == "vm.builtin.reshape"
+
+
 def fresh_outputs(mod: tvm.IRModule) -> list[bool]:
     """For each output of the lowered `main` (tuples flattened in order): whether the compiled code
     allocates it anew on every run, so a session may hand it to the caller without a copy.
 
-    An output that is an input, a weight, a constant of the executable, or a view of one of them
-    (a reshape) is not fresh: the caller could write into the model through it. Anything not
-    traced to an allocation counts as not fresh.
+    An output traced (through reshape views and match_casts) to an allocation is fresh unless
+    another output traces to the same allocation (handed out as two views, writing one would
+    change the other). An output that is an input, a weight, a constant of the executable, or a
+    view of one of them is not fresh: the caller could write into the model through it.
+    Anything not traced to an allocation counts as not fresh.
     """
     main = mod["main"]
     values: dict[relax.Var, relax.Expr] = {}
     if isinstance(main.body, relax.SeqExpr):
         for block in main.body.blocks:
             for binding in block.bindings:
-                if isinstance(binding, relax.VarBinding):
+                if isinstance(binding, (relax.VarBinding, relax.MatchCast)):
                     values[binding.var] = binding.value
 
     def resolve(expr: relax.Expr) -> relax.Expr:
@@ -249,18 +258,21 @@ def fresh_outputs(mod: tvm.IRModule) -> list[bool]:
             expr = values[expr]
         return expr
 
-    def fresh(expr: relax.Expr) -> bool:
+    def allocation(expr: relax.Expr) -> relax.Call | None:
         value = resolve(expr)
         if not isinstance(value, relax.Call):
-            return False
-        if isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.reshape":
-            return fresh(value.args[0])
-        return isinstance(value.op, tvm.ir.Op) and value.op.name in ALLOCATIONS
+            return None
+        if _is_reshape_view(value):
+            return allocation(value.args[0])
+        allocates = isinstance(value.op, tvm.ir.Op) and value.op.name in ALLOCATIONS
+        return value if allocates else None
 
-    def flatten(expr: relax.Expr) -> list[bool]:
+    def flatten(expr: relax.Expr) -> list[relax.Call | None]:
         value = resolve(expr)
         if isinstance(value, relax.Tuple):
-            return [flag for field in value.fields for flag in flatten(field)]
-        return [fresh(value)]
+            return [found for field in value.fields for found in flatten(field)]
+        return [allocation(value)]
 
-    return flatten(main.body.body if isinstance(main.body, relax.SeqExpr) else main.body)
+    allocations = flatten(main.body.body if isinstance(main.body, relax.SeqExpr) else main.body)
+    return [found is not None and sum(found.same_as(other) for other in allocations if other is not None) == 1
+            for found in allocations]
