@@ -39,3 +39,19 @@ def test_wrong_feeds_name_the_problem(overrides, message):
 def test_session_rejects_wrong_input_before_running(mlp_package):
     with pytest.raises(InputError, match="the model takes inputs"):
         mlp_package.session().run({"input": np.zeros((1, 8), np.float32)})
+
+
+@pytest.mark.parametrize("wrong, message", [
+    ({"x": np.zeros((3, 8), np.float64)}, "must be float32"),
+    ({"x": np.zeros((3, 9), np.float32)}, "axis 1 is fixed at 8"),
+    ({"x": np.zeros((3, 8), np.float32), "extra": np.zeros(1, np.float32)}, r"unknown \['extra'\]"),
+    ({"x": [[0.0] * 8] * 3}, "must be a numpy array"),
+])
+def test_wrong_feeds_after_checked_ones_are_still_rejected(mlp_package, wrong, message):
+    """Feeds like the last checked ones (names, dtypes, shapes) skip the full check; any other
+    feeds still get it."""
+    session = mlp_package.session()
+    session.run({"x": np.zeros((3, 8), np.float32)})
+    session.run({"x": np.ones((3, 8), np.float32)})
+    with pytest.raises(InputError, match=message):
+        session.run(wrong)

@@ -47,6 +47,8 @@ class Session:
                             if fresh and _numpy_exchanges(spec.dtype)}
         # input name -> (aligned numpy buffer, TVM view of it), for inputs TVM cannot view
         self._staging: dict[str, tuple[np.ndarray, tvm.runtime.Tensor]] = {}
+        # the names, dtypes and shapes of the last feeds that passed check_feeds
+        self._checked_feeds: tuple | None = None
 
     @property
     def input_names(self) -> list[str]:
@@ -66,8 +68,13 @@ class Session:
                 for name, value in zip(self.output_names, values)}
 
     def prepare_inputs(self, feeds: dict[str, np.ndarray]) -> list[tvm.runtime.Tensor]:
-        """Check `feeds` against the model's inputs and place them on the device."""
-        check_feeds(self.package.inputs, feeds)
+        """Check `feeds` against the model's inputs and place them on the device. Feeds with
+        the names, dtypes and shapes of the last checked ones pass without the full check
+        (1.7 us of a 10 us model's run)."""
+        signature = _feed_signature(feeds)
+        if signature is None or signature != self._checked_feeds:
+            check_feeds(self.package.inputs, feeds)
+            self._checked_feeds = signature
         if self._on_host:
             return [self._host_input(name, feeds[name]) for name in self.input_names]
         return [tvm.runtime.tensor(np.asarray(feeds[name], order="C"), self.device)
@@ -176,6 +183,13 @@ def check_feeds(specs: list[TensorSpec], feeds: dict[str, np.ndarray]) -> None:
             if seen[0] != actual:
                 raise InputError(f"dim {declared} is {seen[0]} at {seen[1]} but {actual} at "
                                  f"{spec.name} axis {axis}; the model needs them equal")
+
+
+def _feed_signature(feeds: dict) -> tuple | None:
+    """(name, dtype, shape) of each feed, in order; None if one is not a numpy array."""
+    if not all(type(value) is np.ndarray for value in feeds.values()):
+        return None
+    return tuple((name, value.dtype, value.shape) for name, value in feeds.items())
 
 
 def _flatten(result) -> list[tvm.runtime.Tensor]:
