@@ -140,7 +140,7 @@ class _ConvRewriter(relax.PyExprMutator):
             pointwise = conv2d.is_pointwise(*call.args[1].ty.shape.values[2:], strides, padding)
             row_extent = out_width * call.ty.shape[2] if pointwise else out_width
             knobs = self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
-            if knobs is None or (out_channels // groups) % knobs.rows:
+            if knobs is None or (groups > 1 and (out_channels // groups) % knobs.rows):
                 knobs = conv2d.width_tile_knobs(
                     self.isa, out_channels, _pointwise_weight_bytes(call) if pointwise else None,
                     groups)

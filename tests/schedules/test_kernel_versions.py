@@ -27,6 +27,7 @@ from tightfit.schedules.conv2d import FLAT_PIXELS_ANNOTATION
 from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
+from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.schedules import register_tile
 from tightfit.schedules.register_tile import TileKnobs, default_tile_knobs
 from tightfit.target import resolve_target
@@ -300,6 +301,27 @@ def test_grouped_conv_versions_match_onnxruntime_at_vector_edges(knob_database, 
     assert_matches_onnxruntime(
         conv_model(channels, out_channels, groups=groups, kernel=kernel, stride=stride),
         "conv2d_width_vectors", knob_database, lambda w: {"x": _normal(1, channels, 5, w)}, widths)
+
+
+@pytest.mark.parametrize("groups, recorded_rows, used_rows", [(1, 5, 5), (4, 3, None)],
+                         ids=["ungrouped_record_used", "grouped_record_straddling_ignored"])
+def test_width_tile_records_apply_unless_a_tile_would_straddle_groups(tmp_path, groups,
+                                                                      recorded_rows, used_rows):
+    """A knob database's width-vectors record is used as measured, padded channels and all (5
+    rows for 16 channels); for a grouped conv, rows that do not divide a group's channels (3
+    for groups of 4) give way to the defaults, which do."""
+    isa = isa_for_target(resolve_target("host").tvm_target)
+    path = tmp_path / "knobs.json"
+    database = KnobDatabase.open(path, resolve_target("host").tvm_target)
+    database.record_tiles(conv2d.WIDTH_VECTORS, 16, tvm.tirx.Var("w", "int64"), isa,
+                          TileKnobs(recorded_rows, 1), 1.0, "test")
+    database.save()
+    model = conv_model(16, 16, groups=groups)
+    text = _scheduled_kernel(model, "conv2d_width_vectors", str(path))
+    rows = int(re.search(r'"tightfit.channel_rows": (\d+)', text).group(1))
+    assert rows == used_rows if used_rows else (16 // groups) % rows == 0
+    assert_matches_onnxruntime(model, "conv2d_width_vectors", str(path),
+                               lambda w: {"x": _normal(1, 16, 5, w)}, [3, 17])
 
 
 @given(groups=st.integers(2, 64), group_out_channels=st.integers(1, 96),
