@@ -169,7 +169,7 @@ class _ConvRewriter(relax.PyExprMutator):
         """The unfolded input as its own kernel, then the pointwise width-vectors GEMM over it
         (which FuseOps gives the conv's epilogue), its weight packed offline."""
         attrs = call.attrs
-        out_channels, in_channels, kernel_h, kernel_w = (int(d) for d in call.args[1].ty.shape.values)
+        out_channels, _, kernel_h, kernel_w = (int(d) for d in call.args[1].ty.shape.values)
         row_extent = call.ty.shape[2] * call.ty.shape[3]
         knobs = (self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
                  or conv2d.width_tile_knobs(self.isa, out_channels,

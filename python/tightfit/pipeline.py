@@ -274,5 +274,6 @@ def fresh_outputs(mod: tvm.IRModule) -> list[bool]:
         return [allocation(value)]
 
     allocations = flatten(main.body.body if isinstance(main.body, relax.SeqExpr) else main.body)
-    return [found is not None and sum(found.same_as(other) for other in allocations if other is not None) == 1
-            for found in allocations]
+    found = [allocated for allocated in allocations if allocated is not None]
+    return [allocated is not None and sum(allocated.same_as(other) for other in found) == 1
+            for allocated in allocations]
