@@ -35,6 +35,7 @@ from tvm import s_tir, te, tirx
 
 from .isa import VectorISA
 from .padding import PADDING_ANNOTATION
+from .prefetch import PREFETCH_MIN_CHANNELS
 from .register_tile import (
     KERNEL_ANNOTATION,
     MAX_ROWS,
@@ -363,8 +364,17 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         else:
             sch.unroll(write_channels)
             sch.vectorize(write_columns)
-        return _column_tile_rewrites(sch, version, row_iters, vectors * isa.lanes, row_extent,
-                                     out_name, ow_outer) + pack_rows
+        prefetch = []
+        channels = sch.get(reductions[0]).extent
+        if (flat and not reads_padded_input and isinstance(channels, tirx.IntImm)
+                and channels.value >= PREFETCH_MIN_CHANNELS):
+            own = sch.get(tiles).writes[0].source.name
+            data = next(region.source.name for region in sch.get(tiles).reads
+                        if region.source.name != own)
+            prefetch = [("prefetch", sch.get(tiles).name_hint,
+                         sch.get(reductions[0]).loop_var, data)]
+        return (_column_tile_rewrites(sch, version, row_iters, vectors * isa.lanes, row_extent,
+                                      out_name, ow_outer) + pack_rows + prefetch)
     sch.reorder(*image_rows, o_outer, n, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
     _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)

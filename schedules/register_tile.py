@@ -38,6 +38,7 @@ from tvm import s_tir, tirx
 
 from .isa import VectorISA
 from .padding import vector_packing_rows
+from .prefetch import prefetch_channels_ahead
 from .row_chunks import masked_row_write_back
 from .tail_tiles import restrict_loop, shift_tail_tile
 
@@ -188,7 +189,8 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
     (tail_tiles.restrict_loop), ("pack_rows", block name, lanes[, condition the version runs
     under]) writes a packing stage in vectors (padding.vector_packing_rows), ("write_rows",
     block name) stores a checked write-back's rows with masked vector stores
-    (row_chunks.masked_row_write_back)."""
+    (row_chunks.masked_row_write_back), ("prefetch", block name, reduction loop var, buffer
+    name) prefetches a buffer's reads channels ahead (prefetch.prefetch_channels_ahead)."""
     for rewrite in rewrites:
         if rewrite[0] == "shift":
             _, row_iters, rows, extent, *keep_checks = rewrite
@@ -198,6 +200,9 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
             func = vector_packing_rows(func, block_name, lanes, *version_condition)
         elif rewrite[0] == "write_rows":
             func = masked_row_write_back(func, rewrite[1])
+        elif rewrite[0] == "prefetch":
+            _, block_name, channel_var, buffer_name = rewrite
+            func = prefetch_channels_ahead(func, block_name, channel_var, buffer_name)
         else:
             _, loop_var, extent = rewrite
             func = restrict_loop(func, loop_var, extent)

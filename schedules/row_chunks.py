@@ -103,10 +103,10 @@ def _masked_row(columns: tirx.For, params) -> s_tir.SBlockRealize | None:
            and any(not _is_one(dim.extent) for dim in region.region) for region in reads):
         return None  # the whole vector would read a parameter past the row
     store = block.body
-    value = _substitute(store.value, bindings)
-    indices = [_substitute(index, bindings) for index in store.indices]
+    value = substitute(store.value, bindings)
+    indices = [substitute(index, bindings) for index in store.indices]
     analyzer = tvm.sym.Analyzer()
-    first = _substitute(indices[-1], {lane: tirx.const(0, lane.ty.dtype)})
+    first = substitute(indices[-1], {lane: tirx.const(0, lane.ty.dtype)})
     if not analyzer.can_prove_equal(indices[-1], first + lane):
         return None
     index_type = lane.ty.dtype
@@ -136,16 +136,16 @@ def _region_over_lanes(region: tirx.BufferRegion, bindings: dict, lane: tirx.Var
     dimension that moves with the lane."""
     ranges = []
     for dim in region.region:
-        start = _substitute(dim.min, bindings)
+        start = substitute(dim.min, bindings)
         if uses_any(start, [lane]):
-            start = _substitute(start, {lane: tirx.const(0, lane.ty.dtype)})
+            start = substitute(start, {lane: tirx.const(0, lane.ty.dtype)})
             ranges.append(tvm.ir.Range.from_min_extent(start, lanes))
         else:
             ranges.append(tvm.ir.Range.from_min_extent(start, dim.extent))
     return tirx.BufferRegion(region.source, ranges)
 
 
-def _substitute(expr, bindings: dict):
+def substitute(expr, bindings: dict):
     """`expr` with each variable of `bindings` replaced by its expression (TVM 0.27 has no
     Python TIR substitute; an analyzer binding substitutes while it simplifies)."""
     analyzer = tvm.sym.Analyzer()

@@ -28,6 +28,7 @@ from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
 from tightfit.schedules.knob_database import KnobDatabase
+from tightfit.schedules.prefetch import PREFETCH_CHANNELS_AHEAD, PREFETCH_MIN_CHANNELS
 from tightfit.schedules import register_tile
 from tightfit.schedules.register_tile import TileKnobs, default_tile_knobs
 from tightfit.target import resolve_target
@@ -363,6 +364,38 @@ def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_dat
                                planes, conv_algorithms=("width_vectors",))
 
 
+@pytest.mark.parametrize("panels_outer", [False, True], ids=["pixel_tiles_outer", "panels_outer"])
+def test_long_pointwise_reductions_prefetch_the_tile_channels_ahead(knob_database, monkeypatch,
+                                                                   panels_outer):
+    """A pointwise conv over PREFETCH_MIN_CHANNELS channels asks, at each channel, for the
+    tile's first and last pixel of each vector PREFETCH_CHANNELS_AHEAD channels on (past the
+    last channel near the end: a prefetch cannot fault), and still matches onnxruntime over
+    two images at pixel planes around the tile's edges; one channel fewer asks for nothing."""
+    if panels_outer:
+        monkeypatch.setattr(conv2d, "ROW_TILES_OUTER_MAX_WEIGHT_BYTES", 0)
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    model = pointwise_residual_model(PREFETCH_MIN_CHANNELS, 17)
+    kernel = _scheduled_kernel(model, "conv2d", knob_database, ("width_vectors",))
+    prefetched = re.findall(r'"llvm.prefetch", T.address_of\(x\[n\w*, rc \+ T.int64\((\d+)\), '
+                            r'(.*?) // w,', kernel)
+    assert {int(ahead) for ahead, _ in prefetched} == {PREFETCH_CHANNELS_AHEAD}
+    # in each version with pixel tiles (parallel, serial): each vector's first and last pixel
+    offsets = [int(next(iter(re.findall(r"\+ T.int64\((\d+)\)\)$", pixel)), 0))
+               for _, pixel in prefetched]
+    tile_vectors = 1 if panels_outer else 2
+    tile_ends = sorted(first + lane for first in range(0, tile_vectors * lanes, lanes)
+                       for lane in (0, lanes - 1))
+    assert sorted(set(offsets)) == tile_ends and len(offsets) % len(tile_ends) == 0
+    assert "llvm.prefetch" not in _scheduled_kernel(
+        pointwise_residual_model(PREFETCH_MIN_CHANNELS - 1, 17), "conv2d", knob_database,
+        ("width_vectors",))
+    assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
+                               lambda plane: {"x": _normal(2, PREFETCH_MIN_CHANNELS, *plane),
+                                              "r": _normal(2, 17, *plane)},
+                               [(1, lanes), (4, lanes // 4 + 1), (7, 7), (3, 2 * lanes + 1)],
+                               conv_algorithms=("width_vectors",))
+
+
 @pytest.mark.parametrize("height", [6, 12])
 def test_pointwise_conv_over_a_static_height_and_a_symbolic_width(knob_database, height):
     """A text line's maps (OCR: the height fixed, the width dynamic), at heights that do not
@@ -514,8 +547,11 @@ def test_narrow_rows_with_a_residual_input_keep_their_column_check(knob_database
                                            (batched_matmul_model(20), "matmul_packed_rhs"),
                                            (conv_model(4, 24, groups=1), "conv2d_width_vectors"),
                                            (conv_model(6, 6, groups=6), "conv2d_depthwise"),
-                                           (conv_model(16, 16, groups=4), "conv2d_width_vectors")],
-                         ids=["dense", "batched_matmul", "conv", "depthwise", "grouped"])
+                                           (conv_model(16, 16, groups=4), "conv2d_width_vectors"),
+                                           (pointwise_residual_model(PREFETCH_MIN_CHANNELS, 8),
+                                            "conv2d_width_vectors")],
+                         ids=["dense", "batched_matmul", "conv", "depthwise", "grouped",
+                              "pointwise_prefetching"])
 def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
     target = resolve_target(ARM64)
     scheduled, _ = run_pipeline(import_onnx(model).mod, target,
