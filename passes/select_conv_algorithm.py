@@ -50,7 +50,7 @@ from ..schedules.conv_cost import WINOGRAD_TILES, ConvShape, Rates, candidate_co
 from ..schedules.isa import isa_for_target
 from ..schedules.kernel_call import WeightOnly, emit_kernel, emit_weight_transform
 from ..schedules.knob_database import KnobDatabase
-from ..schedules.register_tile import default_tile_knobs
+from ..schedules.register_tile import TileKnobs, default_tile_knobs
 
 DEFAULT_TYPICAL_EXTENT = 32
 # Output channels per weight panel of the direct conv when the knob database has no record: the
@@ -139,8 +139,13 @@ class _ConvRewriter(relax.PyExprMutator):
             groups = int(attrs.groups)
             pointwise = conv2d.is_pointwise(*call.args[1].ty.shape.values[2:], strides, padding)
             row_extent = out_width * call.ty.shape[2] if pointwise else out_width
+            in_channels = int(call.args[1].ty.shape[1]) * groups
+            channel_vectors = pointwise and conv2d.uses_channel_vectors(
+                self.isa, in_channels, out_channels, groups)
             knobs = self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
-            if knobs is None or (groups > 1 and (out_channels // groups) % knobs.rows):
+            if channel_vectors:
+                knobs = TileKnobs(rows=conv2d.CHANNEL_VECTORS_PANEL, vectors=1)
+            elif knobs is None or (groups > 1 and (out_channels // groups) % knobs.rows):
                 knobs = conv2d.width_tile_knobs(
                     self.isa, out_channels, _pointwise_weight_bytes(call) if pointwise else None,
                     groups)
@@ -152,7 +157,8 @@ class _ConvRewriter(relax.PyExprMutator):
             return emit_kernel(self.builder_, conv2d.conv2d_width_vectors, [data, packed],
                                "conv2d_width_vectors", record, name, out_channels=out_channels,
                                strides=strides, padding=padding, dilation=dilation,
-                               vectors=knobs.vectors, lanes=self.isa.lanes, groups=groups)
+                               vectors=knobs.vectors, lanes=self.isa.lanes, groups=groups,
+                               channel_vectors=channel_vectors)
         knobs = self.database.tile_knobs(conv2d.DIRECT, out_channels, out_width, self.isa)
         knobs = knobs or default_tile_knobs(self.isa, out_channels, out_width, CONV_PANEL_WIDTH)
         packed = emit_weight_transform(self.builder_, conv2d.pack_conv2d_weight, [weight],

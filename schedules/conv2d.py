@@ -43,6 +43,7 @@ from .register_tile import (
     ROW_TILES,
     ROW_TILES_OUTER_MAX_WEIGHT_BYTES,
     ROWS_ANNOTATION,
+    SINGLE_ROW,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
     WEIGHT_BYTES_ANNOTATION,
@@ -65,6 +66,14 @@ FLAT_PIXELS_ANNOTATION = "tightfit.flat_pixels"
 # one tile are all the core overlaps: 4 rows ran the zoo's layers 10-25% faster than 2 (e.g.
 # 2x64x48x40 33.9 -> 28.7 us, 576x14x14 18.6 -> 14.8 us), 8 rows were slower than 4.
 DEPTHWISE_ROWS = 4
+# A pointwise conv over many input channels runs in CHANNEL_VECTORS instead of ROW_TILES
+# (`uses_channel_vectors`): its tiles hold CHANNEL_VECTOR_PIXELS pixels x one or two weight
+# panels of CHANNEL_VECTORS_PANEL output channels, the vectors along the channels.
+CHANNEL_VECTORS = "channel_vectors"
+CHANNEL_VECTORS_ANNOTATION = "tightfit.channel_vectors"
+CHANNEL_VECTORS_PANEL = 16
+CHANNEL_VECTOR_PIXELS = 7
+CHANNEL_VECTORS_MIN_CHANNELS = 256
 
 
 def output_extent(size, pad_before: int, pad_after: int, kernel: int, stride: int, dilation: int):
@@ -168,7 +177,8 @@ def is_pointwise(kernel_h: int, kernel_w: int, strides, padding) -> bool:
 
 
 def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, strides,
-                         padding, dilation, vectors: int, lanes: int, groups: int = 1) -> te.Tensor:
+                         padding, dilation, vectors: int, lanes: int, groups: int = 1,
+                         channel_vectors: bool = False) -> te.Tensor:
     """NCHW conv as register tiles over (output channels; output columns), NCHW throughout.
 
     A tile holds `channel_rows` output channels (the weight panel width) x `vectors` vectors of
@@ -188,6 +198,8 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
     With `groups` > 1 the channel rows must divide each group's output channels
     (`width_tile_knobs`): a tile's panel then lies in one group, whose input channels its
     reduction runs over (the packed weight's input axis holds one group's channels).
+    `channel_vectors` marks a pointwise conv for the CHANNEL_VECTORS version
+    (`uses_channel_vectors`; its panels must be whole vectors).
     """
     batch, _, height, width = data.shape
     panels, kernel_h, kernel_w, group_channels, channel_rows = (int(d) for d in packed_weight.shape)
@@ -213,7 +225,8 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
         tiles = te.compute((batch, panels * channel_rows, _pixel_domain(height, width, tile_columns)),
                            pixel_value, name="conv2d_width_tiles",
                            attrs={**attrs, OUTPUT_ROW_AXIS_ANNOTATION: 2,
-                                  FLAT_PIXELS_ANNOTATION: True})
+                                  FLAT_PIXELS_ANNOTATION: True,
+                                  CHANNEL_VECTORS_ANNOTATION: channel_vectors})
         return te.compute((batch, out_channels, height, width),
                           lambda n, o, h, w: tiles[n, o, h * width + w], name="conv2d_width_out")
 
@@ -299,6 +312,50 @@ def width_tile_knobs(isa: VectorISA, out_channels: int,
     return TileKnobs(rows=channel_rows, vectors=vectors)
 
 
+def uses_channel_vectors(isa: VectorISA, in_channels: int, out_channels: int,
+                         groups: int) -> bool:
+    """Whether a pointwise conv runs in CHANNEL_VECTORS (weight panels of
+    CHANNEL_VECTORS_PANEL channels) rather than ROW_TILES.
+
+    ROW_TILES lays vectors along the pixels, and a plane that is not a whole number of vectors
+    wastes lanes: a 7x7 map computes 64 columns for 49, a 5x4 map 32 for 20 (MobileNetV2's
+    last stage). CHANNEL_VECTORS lays them along the output channels and tiles the pixels by
+    CHANNEL_VECTOR_PIXELS, wasting none there; but its write-back stores each output alone (an
+    output channel's pixels are a plane apart in NCHW), which a short reduction does not pay
+    for. Measured against ROW_TILES, in one process, two threads:
+    - 320 -> 1280 at 1x7x7 / 2x5x4 / 1x14x14: 0.76 / 0.69 / 0.96 of its time; 960 -> 320:
+      0.73 / 0.64 / 0.95; 576 -> 96 at 1x14x14 / 2x10x8 / 1x7x7: 0.94 / 1.10 / 0.77;
+    - 384 -> 96 at 1x14x14 / 2x10x8: 1.03 / 1.14; 96 -> 576: 0.95 / 1.21.
+    Hence from CHANNEL_VECTORS_MIN_CHANNELS input channels, at every plane size. The output
+    channels must fill the panels (a tile writes whole panels)."""
+    return (groups == 1 and in_channels >= CHANNEL_VECTORS_MIN_CHANNELS
+            and out_channels % CHANNEL_VECTORS_PANEL == 0
+            and CHANNEL_VECTORS_PANEL % isa.lanes == 0)
+
+
+def channel_vector_tile(isa: VectorISA, channels: int) -> tuple[int, int]:
+    """(weight panels, pixels) of a CHANNEL_VECTORS tile over `channels` (padded) output
+    channels: two panels where they pair up and CHANNEL_VECTOR_PIXELS pixels still fit the
+    registers beside them (AVX-512: 2 x 7), else one panel and as many pixels as fit (NEON's
+    four vectors a panel: 1 x 6)."""
+    for panels in (2, 1):
+        vectors = panels * CHANNEL_VECTORS_PANEL // isa.lanes
+        pixels = max((rows for rows in range(1, CHANNEL_VECTOR_PIXELS + 1)
+                      if isa.fits_registers(rows, vectors)), default=0)
+        if channels % (panels * CHANNEL_VECTORS_PANEL) == 0 and (
+                pixels == CHANNEL_VECTOR_PIXELS or panels == 1):
+            return panels, pixels
+    raise ValueError(f"{channels} channels are not whole {CHANNEL_VECTORS_PANEL}-channel panels")
+
+
+def channel_vector_buckets(pixels, tile_pixels: int) -> list[tuple[str, object]]:
+    """dispatch.row_buckets for a CHANNEL_VECTORS conv: whole tiles of `tile_pixels` pixels
+    from a tile's worth up, one pixel at a time below (SINGLE_ROW)."""
+    if isinstance(pixels, (int, tirx.IntImm)):
+        return [(CHANNEL_VECTORS if int(pixels) >= tile_pixels else SINGLE_ROW, None)]
+    return [(CHANNEL_VECTORS, pixels >= tile_pixels), (SINGLE_ROW, None)]
+
+
 def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, out_row_axis: int,
                            channel_rows: int, vectors: int, isa: VectorISA, version: str,
                            parallel: bool = True) -> list[tuple]:
@@ -323,6 +380,9 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     panel is contiguous along them).
     """
     flat = FLAT_PIXELS_ANNOTATION in sch.get(tiles).annotations
+    if version == CHANNEL_VECTORS:
+        return _schedule_channel_vectors(sch, tiles, out_block, row_extent, out_row_axis,
+                                         channel_rows, isa, parallel)
     tile_row_axis = 2 if flat else 3
     n, o, *image_rows, ow = sch.get_loops(tiles)[:tile_row_axis + 1]
     reductions = sch.get_loops(tiles)[tile_row_axis + 1:]
@@ -364,23 +424,68 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         else:
             sch.unroll(write_channels)
             sch.vectorize(write_columns)
-        prefetch = []
-        channels = sch.get(reductions[0]).extent
-        if (flat and not reads_padded_input and isinstance(channels, tirx.IntImm)
-                and channels.value >= PREFETCH_MIN_CHANNELS):
-            own = sch.get(tiles).writes[0].source.name
-            data = next(region.source.name for region in sch.get(tiles).reads
-                        if region.source.name != own)
-            prefetch = [("prefetch", sch.get(tiles).name_hint,
-                         sch.get(reductions[0]).loop_var, data)]
+        prefetch = _prefetch_input(sch, tiles, reductions[0]) if flat and not reads_padded_input else []
         return (_column_tile_rewrites(sch, version, row_iters, vectors * isa.lanes, row_extent,
                                       out_name, ow_outer) + pack_rows + prefetch)
     sch.reorder(*image_rows, o_outer, n, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
     _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)
+    if channel_rows % isa.lanes == 0:  # a CHANNEL_VECTORS conv's panel: whole vectors
+        o_vector, o_inner = sch.split(o_inner, [None, isa.lanes])
+        sch.unroll(o_vector)
     sch.vectorize(o_inner)
     sch.decompose_reduction(tiles, reductions[0])
     return [("restrict", sch.get(ow).loop_var, row_extent)]
+
+
+def _schedule_channel_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent,
+                              out_row_axis: int, panel_width: int, isa: VectorISA,
+                              parallel: bool) -> list[tuple]:
+    """The CHANNEL_VECTORS micro-kernel (`uses_channel_vectors`):
+
+        parallel for (channel tile, batch, pixel tile):   # channel_vector_tile
+          acc[pixels][channel vectors] = 0
+          for c: acc[j][v] += input[c, pixel j] * W[panel of v, c, lanes]
+          output[tile channels, tile pixels] = epilogue(acc)  # each value a plane apart
+
+    The pixel tiles are shifted back at the end of the plane (tail_tiles.py), so the plane
+    must hold a tile (channel_vector_buckets). Two panels per tile (14 accumulators) ran
+    MobileNetV2's 7x7 layers 10-20% faster than one (7, too few to hide the multiply-add
+    latency); all three loops share the threads, as a 96-channel layer has three tiles.
+    """
+    panels, pixels = channel_vector_tile(isa, int(sch.get(tiles).iter_vars[1].dom.extent))
+    # each accumulator is a vector of channels: they must be contiguous in the tile buffer
+    sch.transform_layout(tiles, ("write", 0), lambda n, o, p: (n, p, o))
+    n, o, pixel, *reductions = sch.get_loops(tiles)
+    o_outer, o_vector, o_lane = sch.split(o, [None, panels * panel_width // isa.lanes,
+                                              isa.lanes])
+    pixel_outer, pixel_row = sch.split(pixel, [None, pixels])
+    sch.reorder(o_outer, n, pixel_outer, *reductions, pixel_row, o_vector, o_lane)
+    sch.reverse_compute_at(out_block, pixel_outer)
+    _fuse_outer_loops(sch, [o_outer, n, pixel_outer], parallel)
+    sch.unroll(pixel_row)
+    sch.unroll(o_vector)
+    sch.vectorize(o_lane)
+    init = sch.decompose_reduction(tiles, reductions[0])
+    write_channels, write_pixels = sch.get_loops(out_block)[-2:]
+    sch.reorder(write_pixels, write_channels)
+    sch.vectorize(sch.split(write_channels, [None, isa.lanes])[1])
+    row_iters = {sch.get(tiles).name_hint: 2, sch.get(init).name_hint: 2,
+                 sch.get(out_block).name_hint: out_row_axis}
+    return ([("shift", row_iters, pixels, row_extent)]
+            + _prefetch_input(sch, tiles, reductions[0]))
+
+
+def _prefetch_input(sch: s_tir.Schedule, tiles, channel_loop) -> list[tuple]:
+    """The prefetch rewrite (prefetch.py) of a pointwise conv's input, read as it is, where the
+    reduction over its channels is long enough to pay for it."""
+    channels = sch.get(channel_loop).extent
+    if not (isinstance(channels, tirx.IntImm) and channels.value >= PREFETCH_MIN_CHANNELS):
+        return []
+    own = sch.get(tiles).writes[0].source.name
+    data = next(region.source.name for region in sch.get(tiles).reads
+                if region.source.name != own)
+    return [("prefetch", sch.get(tiles).name_hint, sch.get(channel_loop).loop_var, data)]
 
 
 def pack_input_phases(data: te.Tensor, tile_w, kernel_w: int, strides, padding, dilation,

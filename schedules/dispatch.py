@@ -17,6 +17,9 @@ output width in vectors):
   panels; skinny GEMMs (GEMV-like) and convs narrower than a tile (7x7 maps and below).
 The threshold is the tile height because that is where a row tile stops fitting: the shifted
 tail needs M >= rows. A static M compiles only its own version.
+A pointwise conv over many input channels has CHANNEL_VECTORS in place of ROW_TILES (vectors
+along the output channels, tiles of a few pixels: conv2d.uses_channel_vectors), from a tile of
+pixels up (conv2d.channel_vector_buckets).
 
 A second, orthogonal split is by work: waking the thread pool costs more than a small kernel's
 whole run (measured on this 2-core host, TVM 0.27: a parallel loop over 48 x 32 floats 5.5 us,

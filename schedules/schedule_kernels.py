@@ -77,8 +77,13 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     out_buffer = sch.get(out_block).writes[0].source
     row_extent, out_row_axis = conv2d.output_row_extent(out_buffer.shape, annotations)
     versions = []
+    version_buckets = row_buckets(row_extent, rows)
+    if annotations.get(conv2d.CHANNEL_VECTORS_ANNOTATION):
+        channels = int(sch.get(sch.get_sblock(block_name)).iter_vars[1].dom.extent)
+        _, tile_pixels = conv2d.channel_vector_tile(isa, channels)
+        version_buckets = conv2d.channel_vector_buckets(row_extent, tile_pixels)
     buckets = [(version, parallel, combine(row_condition, work_condition))
-               for version, row_condition in row_buckets(row_extent, rows)
+               for version, row_condition in version_buckets
                for parallel, work_condition in parallel_buckets(loop_work(func), min_parallel_work)]
     for version, parallel, condition in buckets:
         sch = s_tir.Schedule(func)

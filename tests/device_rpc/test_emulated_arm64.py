@@ -119,6 +119,28 @@ def test_grouped_and_im2col_convs_compiled_for_arm64_run_on_the_emulated_device(
         assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
+def test_channel_vector_pointwise_conv_compiled_for_arm64_runs_on_the_emulated_device(
+        tracker, arm64_device):
+    """A pointwise conv over CHANNEL_VECTORS_MIN_CHANNELS channels: NEON tiles of one
+    16-channel panel (four vectors) x 6 pixels, with prefetches; planes under a tile (one
+    pixel at a time), at a tile, and over it with a shifted tail."""
+    from tightfit.schedules.conv2d import CHANNEL_VECTORS_MIN_CHANNELS
+
+    rng = np.random.default_rng(6)
+    channels = CHANNEL_VECTORS_MIN_CHANNELS
+    weight = numpy_helper.from_array((rng.standard_normal((32, channels, 1, 1)) * 0.1)
+                                     .astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1])], "pointwise",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, None, None])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = tightfit.compile(model, "emulated-arm64").remote_session(str(tracker), arm64_device)
+    for height, width in ((1, 5), (2, 3), (7, 7), (5, 4)):
+        feeds = {"x": rng.standard_normal((1, channels, height, width)).astype(np.float32)}
+        assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
+
+
 def _tune_command(model_path, tracker, database, trials):
     return [sys.executable, "-m", "tightfit.cli", "tune", str(model_path), "--target", "emulated-arm64",
             "--shape", "x=8,8", "--rpc-tracker", str(tracker), "--rpc-key", KEY, "--trials", str(trials),

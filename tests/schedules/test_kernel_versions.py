@@ -396,6 +396,53 @@ def test_long_pointwise_reductions_prefetch_the_tile_channels_ahead(knob_databas
                                conv_algorithms=("width_vectors",))
 
 
+@pytest.mark.parametrize("out_channels", [32, 48], ids=["two_panels_a_tile", "one_panel_a_tile"])
+def test_channel_vector_pointwise_conv_matches_onnxruntime_at_pixel_tile_edges(knob_database,
+                                                                              out_channels):
+    """A pointwise conv over CHANNEL_VECTORS_MIN_CHANNELS channels runs CHANNEL_VECTORS: the
+    vectors along 16-channel panels (two a tile where they pair up), the tiles over the flat
+    pixels, threads over channel tiles, images and pixel tiles together. Planes of one pixel and
+    of a tile less (one pixel at a time), a tile, a tile and one, 7x7, 5x4 and 14x14 (the last
+    tile shifted back), two images, with a residual input in the epilogue."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    panels, pixels = conv2d.channel_vector_tile(isa_for_target(resolve_target("host").tvm_target),
+                                                out_channels)
+    assert panels == (2 if out_channels == 32 and lanes == 16 else 1)
+    model = pointwise_residual_model(conv2d.CHANNEL_VECTORS_MIN_CHANNELS, out_channels)
+    kernel = _scheduled_kernel(model, "conv2d", knob_database)
+    assert '"tightfit.channel_vectors": True' in kernel
+    assert "for o_0_n_p_0_fused in T.parallel" in kernel or knob_database.endswith("serial.json")
+    planes = [(1, 1), (1, pixels - 1), (1, pixels), (1, pixels + 1), (7, 7), (5, 4), (14, 14)]
+    assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
+                               lambda plane: {"x": _normal(2, conv2d.CHANNEL_VECTORS_MIN_CHANNELS,
+                                                           *plane),
+                                              "r": _normal(2, out_channels, *plane)},
+                               planes)
+
+
+@pytest.mark.parametrize("in_channels, out_channels", [(conv2d.CHANNEL_VECTORS_MIN_CHANNELS - 1, 32),
+                                                       (conv2d.CHANNEL_VECTORS_MIN_CHANNELS, 40)],
+                         ids=["short_reduction", "channels_not_whole_panels"])
+def test_pointwise_convs_outside_channel_vectors_keep_pixel_vectors(knob_database, in_channels,
+                                                                    out_channels):
+    kernel = _scheduled_kernel(pointwise_residual_model(in_channels, out_channels), "conv2d",
+                               knob_database)
+    assert '"tightfit.channel_vectors": False' in kernel
+
+
+def test_channel_vector_tiles_fit_each_vector_unit():
+    """Two 16-channel panels x 7 pixels where AVX-512's registers hold them; NEON's panel is
+    four vectors, so one panel x 6 pixels (28 accumulators of 32 registers)."""
+    from tightfit.schedules.isa import AVX2, AVX512, NEON
+    assert conv2d.channel_vector_tile(AVX512, 64) == (2, 7)
+    assert conv2d.channel_vector_tile(AVX512, 48) == (1, 7)
+    assert conv2d.channel_vector_tile(NEON, 64) == (1, 6)
+    assert conv2d.channel_vector_tile(AVX2, 64) == (1, 6)
+    for isa in (AVX2, AVX512, NEON):
+        panels, pixels = conv2d.channel_vector_tile(isa, 64)
+        assert isa.fits_registers(pixels, panels * conv2d.CHANNEL_VECTORS_PANEL // isa.lanes)
+
+
 @pytest.mark.parametrize("height", [6, 12])
 def test_pointwise_conv_over_a_static_height_and_a_symbolic_width(knob_database, height):
     """A text line's maps (OCR: the height fixed, the width dynamic), at heights that do not
@@ -549,9 +596,12 @@ def test_narrow_rows_with_a_residual_input_keep_their_column_check(knob_database
                                            (conv_model(6, 6, groups=6), "conv2d_depthwise"),
                                            (conv_model(16, 16, groups=4), "conv2d_width_vectors"),
                                            (pointwise_residual_model(PREFETCH_MIN_CHANNELS, 8),
+                                            "conv2d_width_vectors"),
+                                           (pointwise_residual_model(
+                                               conv2d.CHANNEL_VECTORS_MIN_CHANNELS, 32),
                                             "conv2d_width_vectors")],
                          ids=["dense", "batched_matmul", "conv", "depthwise", "grouped",
-                              "pointwise_prefetching"])
+                              "pointwise_prefetching", "pointwise_channel_vectors"])
 def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
     target = resolve_target(ARM64)
     scheduled, _ = run_pipeline(import_onnx(model).mod, target,
