@@ -322,10 +322,13 @@ def uses_channel_vectors(isa: VectorISA, in_channels: int, out_channels: int,
     last stage). CHANNEL_VECTORS lays them along the output channels and tiles the pixels by
     CHANNEL_VECTOR_PIXELS, wasting none there; but its write-back stores each output alone (an
     output channel's pixels are a plane apart in NCHW), which a short reduction does not pay
-    for. Measured against ROW_TILES, in one process, two threads:
-    - 320 -> 1280 at 1x7x7 / 2x5x4 / 1x14x14: 0.76 / 0.69 / 0.96 of its time; 960 -> 320:
-      0.73 / 0.64 / 0.95; 576 -> 96 at 1x14x14 / 2x10x8 / 1x7x7: 0.94 / 1.10 / 0.77;
-    - 384 -> 96 at 1x14x14 / 2x10x8: 1.03 / 1.14; 96 -> 576: 0.95 / 1.21.
+    for. Its time as a share of ROW_TILES' (the kernel before it, prefetching alike), in one
+    process, two threads:
+    - 320 -> 1280 at 1x7x7 / 2x5x4 / 1x14x14: 0.71 / 0.64 / 0.92; 960 -> 320: 0.72 / 0.61 /
+      0.86; 960 -> 160 and 576 -> 160 at 1x7x7 / 2x5x4: 0.62-0.78; 576 -> 96 at 1x14x14 /
+      2x10x8 / 1x7x7: 0.88 / 1.00 / 0.76; 384 -> 96 at 1x14x14 / 2x10x8: 0.91 / 1.05;
+    - with fewer input channels the write-back tells: 160 -> 960 at 1x7x7 / 2x5x4 / 1x14x14 /
+      2x10x8: 0.81 / 0.70 / 0.94 / 1.16; 96 -> 576 at 1x14x14 / 2x10x8: 0.95 / 1.21.
     Hence from CHANNEL_VECTORS_MIN_CHANNELS input channels, at every plane size. The output
     channels must fill the panels (a tile writes whole panels)."""
     return (groups == 1 and in_channels >= CHANNEL_VECTORS_MIN_CHANNELS
@@ -378,6 +381,8 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     conv over fewer pixels than a vector, which reads the input as it is and so must not read
     past the image, runs one pixel at a time with the channel rows as a vector (the weight
     panel is contiguous along them).
+
+    The CHANNEL_VECTORS version (`uses_channel_vectors`) is `_schedule_channel_vectors`.
     """
     flat = FLAT_PIXELS_ANNOTATION in sch.get(tiles).annotations
     if version == CHANNEL_VECTORS:
@@ -424,7 +429,8 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         else:
             sch.unroll(write_channels)
             sch.vectorize(write_columns)
-        prefetch = _prefetch_input(sch, tiles, reductions[0]) if flat and not reads_padded_input else []
+        prefetch = (_prefetch_input(sch, tiles, reductions[0])
+                    if flat and not reads_padded_input else [])
         return (_column_tile_rewrites(sch, version, row_iters, vectors * isa.lanes, row_extent,
                                       out_name, ow_outer) + pack_rows + prefetch)
     sch.reorder(*image_rows, o_outer, n, ow, *reductions, o_inner)
