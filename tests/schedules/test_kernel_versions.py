@@ -531,8 +531,9 @@ def test_wide_packing_rows_end_in_a_shifted_vector(knob_database, kernel, groups
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     wide = [v for v in re.split(r'T\.sblock\("version_\d+"\)', scheduled)[1:]
             if "masked_store" not in v]
-    image_rows = [re.search(r"if (\w+) >= T\.int64\(1\) and \1 < [^\n]*:\n(.*?)\n\s*else:", v,
-                            re.DOTALL) for v in wide]
+    # the row: a variable, or a row block's plus a row's in it (conv2d._pack_in_row_blocks)
+    image_rows = [re.search(r"if ([\w +]+?) >= T\.int64\(1\) and \1 < [^\n]*:\n(.*?)\n\s*else:",
+                            v, re.DOTALL) for v in wide]
     assert wide and all(image_rows)
     for rows in image_rows:
         assert f"T.Ramp(w - T.int64({lanes}), T.int64(1), {lanes})" in rows.group(2)
@@ -540,6 +541,21 @@ def test_wide_packing_rows_end_in_a_shifted_vector(knob_database, kernel, groups
     assert_matches_onnxruntime(model, f"conv2d_{kernel}", knob_database,
                                lambda w: {"x": _normal(1, 6, 5, w)}, range(lanes, 2 * lanes + 2),
                                conv_algorithms=(kernel,))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_packed_input_is_shared_among_threads_by_rows_as_the_tiles_are(knob_database, stride):
+    """The parallel versions pack the padded input by rows (all images and channels of a row
+    on one thread), as the tiles are computed by output rows. Maps narrower and wider than a
+    tile match."""
+    model = conv_model(6, 8, groups=1, stride=stride, height="h")
+    kernel = _scheduled_kernel(model, "width_vectors", knob_database, ("width_vectors",))
+    assert re.search(r"for \w+ in T\.parallel\([^\n]*\n\s*for n, c, \w+ in T\.grid", kernel)
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
+                               lambda hw: {"x": _normal(1, 6, *hw)},
+                               [(9, 5), (2 * lanes + 1, 3 * lanes + 2)],
+                               conv_algorithms=("width_vectors",))
 
 
 @pytest.mark.parametrize("stride", [1, 2])
