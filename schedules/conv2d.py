@@ -441,7 +441,7 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
     sch.reorder(*image_rows, o_outer, n, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
     _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)
-    if channel_rows % isa.lanes == 0:  # a CHANNEL_VECTORS conv's panel: whole vectors
+    if channel_rows % isa.lanes == 0:  # whole vectors (a CHANNEL_VECTORS conv's panel)
         o_vector, o_inner = sch.split(o_inner, [None, isa.lanes])
         sch.unroll(o_vector)
     sch.vectorize(o_inner)

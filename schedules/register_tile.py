@@ -25,7 +25,8 @@ Two versions cover a symbolic row extent M (dispatch.py picks at run time):
 A static row extent smaller than the register budget's tile (a GEMV-like layer) gets wider
 panels instead, up to SKINNY_VECTORS vectors (default_tile_knobs).
 Limits: fp32; the reduction is not blocked for the cache (fine while one B panel, K x NB
-floats, fits in L2: K <= 8192 at NB = 32); no software prefetch.
+floats, fits in L2: K <= 8192 at NB = 32); no software prefetch in these GEMM tiles (a
+pointwise conv's input has it: prefetch.py).
 """
 
 from __future__ import annotations
