@@ -462,6 +462,8 @@ def _pack_in_row_blocks(sch: s_tir.Schedule, packing) -> None:
     Blocks of 1 row balanced best (of 1, 2 and 4: resnet_style at batch 4, 0.372 / 0.379 /
     0.400 ms)."""
     n, c, row, *_ = sch.get_loops(packing)
+    # split, not just moved out: padding.vector_packing_rows needs a row loop right above
+    # the phase and column loops
     row_block, row_in_block = sch.split(row, [None, PACKED_ROW_BLOCK])
     sch.reorder(row_block, n, c, row_in_block)
     sch.parallel(row_block)
