@@ -26,6 +26,14 @@ input (workspace) and the packed weights.
 Grouped convs (ResNeXt's 3x3, ShuffleNet's 1x1) run as width vectors whose channel rows divide
 each group's output channels, so a tile never straddles two groups and reads one group's input
 channels. Limits: groups must be 1 for direct; fp32.
+Threads: every kernel's parallel loop has the images outermost (the packing stages', the
+tiles', Winograd's transforms', and the fallback schedule's fused leading loops), and TVM's
+pool gives each thread one contiguous range of it, so at a batch of at least the thread count
+an image stays on one core from kernel to kernel and each kernel reads what that core wrote.
+Images inside the pixel tiles, as before, put each pointwise conv's output half on the other
+core from the depthwise conv after it: in one process, MobileNetV2 at 2x3x160x128 3.57 ->
+3.25 ms, mobilenet_v2_style at 2x3x96x80 0.33 -> 0.27 ms, resnet_style at 4x3x32x32 0.37 ->
+0.30 ms, detector_fpn at 2x3x64x40 0.115 -> 0.105 ms; one image is unchanged.
 """
 
 from __future__ import annotations
@@ -366,16 +374,16 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
                            parallel: bool = True) -> list[tuple]:
     """The conv2d_width_vectors micro-kernel:
 
-        parallel for (output row, channel panel):   # the panel count is static
-          for batch, column tile:                   # vectors x lanes columns
+        parallel for (batch, output row, channel panel):   # the panel count is static
+          for column tile:                                 # vectors x lanes columns
             acc[channel_rows][vectors] = 0
             for ry, rx, c: acc[i][v] += W[panel, ry, rx, c, i] * input[c, row + ry, col + v + rx]
             output[panel rows, row, tile columns] = epilogue(acc)
 
-    Flat-pixel tiles (pointwise convs) have no output row: the parallel loop is (pixel tile,
-    channel panel), or (channel panel, pixel tile) for weights over
-    ROW_TILES_OUTER_MAX_WEIGHT_BYTES, the batch inside, and `out_block` must have been through
-    `flatten_output_pixels`.
+    Flat-pixel tiles (pointwise convs) have no output row: the parallel loop is (batch, pixel
+    tile, channel panel), or (batch, channel panel, pixel tile) for weights over
+    ROW_TILES_OUTER_MAX_WEIGHT_BYTES, and `out_block` must have been through
+    `flatten_output_pixels`. The batch is outermost everywhere (module docstring).
 
     Narrower outputs (the SINGLE_ROW version): a conv that reads the padded input computes one
     full tile per row from column 0 (the padded input is a tile wide, so the extra columns read
@@ -406,20 +414,18 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         weight_over_l2 = (int(sch.get(tiles).annotations[WEIGHT_BYTES_ANNOTATION])
                           > ROW_TILES_OUTER_MAX_WEIGHT_BYTES)
         if flat and weight_over_l2:
-            sch.reorder(o_outer, ow_outer, n, *reductions, o_inner, ow_vector, ow_lane)
-            sch.reverse_compute_at(out_block, n)
-            _fuse_outer_loops(sch, [o_outer, ow_outer], parallel)
+            sch.reorder(n, o_outer, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
+            sch.reverse_compute_at(out_block, ow_outer)
+            _fuse_outer_loops(sch, [n, o_outer, ow_outer], parallel)
         elif flat:
             # the pixel tiles give the parallelism where the channel panels are few
-            sch.reorder(ow_outer, o_outer, n, *reductions, o_inner, ow_vector, ow_lane)
-            sch.reverse_compute_at(out_block, n)
-            _fuse_outer_loops(sch, [ow_outer, o_outer], parallel)
+            sch.reorder(n, ow_outer, o_outer, *reductions, o_inner, ow_vector, ow_lane)
+            sch.reverse_compute_at(out_block, o_outer)
+            _fuse_outer_loops(sch, [n, ow_outer, o_outer], parallel)
         else:
-            sch.reorder(*image_rows, o_outer, n, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
+            sch.reorder(n, *image_rows, o_outer, ow_outer, *reductions, o_inner, ow_vector, ow_lane)
             sch.reverse_compute_at(out_block, ow_outer)
-            # Not the batch: its part of the fused index would divide by the symbolic row
-            # count, and the tile's offset would not be provably constant (test_register_tiles).
-            _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)
+            _fuse_outer_loops(sch, [n, *image_rows, o_outer], parallel)
         sch.unroll(o_inner)
         sch.unroll(ow_vector)
         sch.vectorize(ow_lane)
@@ -438,9 +444,9 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
                     if flat and not reads_padded_input else [])
         return (_column_tile_rewrites(sch, version, row_iters, vectors * isa.lanes, row_extent,
                                       out_name, ow_outer) + pack_rows + prefetch)
-    sch.reorder(*image_rows, o_outer, n, ow, *reductions, o_inner)
+    sch.reorder(n, *image_rows, o_outer, ow, *reductions, o_inner)
     sch.reverse_compute_at(out_block, ow)
-    _fuse_outer_loops(sch, [*image_rows, o_outer], parallel)
+    _fuse_outer_loops(sch, [n, *image_rows, o_outer], parallel)
     if channel_rows % isa.lanes == 0:  # whole vectors (a CHANNEL_VECTORS conv's panel)
         o_vector, o_inner = sch.split(o_inner, [None, isa.lanes])
         sch.unroll(o_vector)
@@ -451,22 +457,23 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
 
 def _pack_in_row_blocks(sch: s_tir.Schedule, packing) -> None:
     """Share a packing stage's padded rows among the threads in blocks of PACKED_ROW_BLOCK
-    rows, every image and channel inside: the tiles share them by output rows too, so each
-    thread then reads (nine times, for a 3x3 conv) mostly rows it packed itself. Split by
-    images and channels, as before, half of a tile's input came from the other core's cache.
-    Measured in one process against that split: resnet_style's 16 -> 16 3x3 convs at 32x32
-    32 -> 21 us alone; whole runs 0.125 -> 0.113 ms (batch 1) and 0.366 -> 0.353 ms (batch 4);
-    MobileNetV2's first conv at 2x3x160x128 216 -> 169 us in a run, its whole run within 1%.
-    A stage whose producer split its writes by images pays instead: detector_fpn's 3x3 conv
-    after a concatenation, at batch 2, 38 -> 49 us in a run (its whole run 0.105 -> 0.117 ms).
+    rows, images outermost (module docstring) and every channel of a row inside: the tiles
+    share them by (image, output row) too, so each thread then reads (nine times, for a 3x3
+    conv) mostly rows it packed itself. Split by images and channels, as before, half of a
+    tile's input came from the other core's cache at one image. Measured in one process
+    against that split: resnet_style's 16 -> 16 3x3 convs at 32x32 32 -> 21 us alone, its
+    whole run at batch 1 0.125 -> 0.113 ms; MobileNetV2's first conv at 2x3x160x128 216 ->
+    169 us in a run. Split by rows across images instead, the stage after detector_fpn's
+    concatenation (which splits by images) read half its input from the other core: at batch
+    2, 0.105 ms for the whole run became 0.117 ms; images outermost, it is 0.105 ms again.
     Blocks of 1 row balanced best (of 1, 2 and 4: resnet_style at batch 4, 0.372 / 0.379 /
     0.400 ms)."""
     n, c, row, *_ = sch.get_loops(packing)
     # split, not just moved out: padding.vector_packing_rows needs a row loop right above
     # the phase and column loops
     row_block, row_in_block = sch.split(row, [None, PACKED_ROW_BLOCK])
-    sch.reorder(row_block, n, c, row_in_block)
-    sch.parallel(row_block)
+    sch.reorder(n, row_block, c, row_in_block)
+    sch.parallel(sch.fuse(n, row_block))
 
 
 def _schedule_channel_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent,
@@ -474,7 +481,7 @@ def _schedule_channel_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent,
                               parallel: bool) -> list[tuple]:
     """The CHANNEL_VECTORS micro-kernel (`uses_channel_vectors`):
 
-        parallel for (channel tile, batch, pixel tile):   # channel_vector_tile
+        parallel for (batch, channel tile, pixel tile):   # channel_vector_tile
           acc[pixels][channel vectors] = 0
           for c: acc[j][v] += input[c, pixel j] * W[panel of v, c, lanes]
           output[tile channels, tile pixels] = epilogue(acc)  # each value a plane apart
@@ -491,9 +498,9 @@ def _schedule_channel_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent,
     o_outer, o_vector, o_lane = sch.split(o, [None, panels * panel_width // isa.lanes,
                                               isa.lanes])
     pixel_outer, pixel_row = sch.split(pixel, [None, pixels])
-    sch.reorder(o_outer, n, pixel_outer, *reductions, pixel_row, o_vector, o_lane)
+    sch.reorder(n, o_outer, pixel_outer, *reductions, pixel_row, o_vector, o_lane)
     sch.reverse_compute_at(out_block, pixel_outer)
-    _fuse_outer_loops(sch, [o_outer, n, pixel_outer], parallel)
+    _fuse_outer_loops(sch, [n, o_outer, pixel_outer], parallel)
     sch.unroll(pixel_row)
     sch.unroll(o_vector)
     sch.vectorize(o_lane)

@@ -32,6 +32,7 @@ from tightfit.schedules.prefetch import PREFETCH_CHANNELS_AHEAD, PREFETCH_MIN_CH
 from tightfit.schedules import register_tile
 from tightfit.schedules.register_tile import TileKnobs, default_tile_knobs
 from tightfit.target import resolve_target
+from tightfit.testing import zoo
 
 from kernel_harness import kernel_blocks
 
@@ -356,8 +357,8 @@ def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_dat
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
                                 stop_after="tightfit.FallbackCPUSchedule")
     assert FLAT_PIXELS_ANNOTATION in scheduled.script()
-    # the parallel loop fuses (pixel tile, channel panel) in the order asked for
-    order = "o_0_p_0_fused" if panels_outer else "p_0_o_0_fused"
+    # the parallel loop fuses (image, pixel tile, channel panel) in the order asked for
+    order = "n_o_0_p_0_fused" if panels_outer else "n_p_0_o_0_fused"
     assert f"for {order} in T.parallel" in scheduled.script()
     assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
                                lambda plane: {"x": _normal(2, 6, *plane), "r": _normal(2, 17, *plane)},
@@ -376,7 +377,8 @@ def test_long_pointwise_reductions_prefetch_the_tile_channels_ahead(knob_databas
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     model = pointwise_residual_model(PREFETCH_MIN_CHANNELS, 17)
     kernel = _scheduled_kernel(model, "conv2d", knob_database, ("width_vectors",))
-    prefetched = re.findall(r'"llvm.prefetch", T.address_of\(x\[n\w*, rc \+ T.int64\((\d+)\), '
+    # x[image, channel, row, column]; the image is the parallel loop's first part
+    prefetched = re.findall(r'"llvm.prefetch", T.address_of\(x\[[^\[\]]*?, rc \+ T.int64\((\d+)\), '
                             r'(.*?) // w,', kernel)
     assert {int(ahead) for ahead, _ in prefetched} == {PREFETCH_CHANNELS_AHEAD}
     # in each version with pixel tiles (parallel, serial): each vector's first and last pixel
@@ -401,7 +403,7 @@ def test_channel_vector_pointwise_conv_matches_onnxruntime_at_pixel_tile_edges(k
                                                                               out_channels):
     """A pointwise conv over CHANNEL_VECTORS_MIN_CHANNELS channels runs CHANNEL_VECTORS: the
     vectors along 16-channel panels (two a tile where they pair up), the tiles over the flat
-    pixels, threads over channel tiles, images and pixel tiles together. Planes of one pixel and
+    pixels, threads over images, channel tiles and pixel tiles together. Planes of one pixel and
     of a tile less (one pixel at a time), a tile, a tile and one, 7x7, 5x4 and 14x14 (the last
     tile shifted back), two images, with a residual input in the epilogue."""
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
@@ -411,9 +413,9 @@ def test_channel_vector_pointwise_conv_matches_onnxruntime_at_pixel_tile_edges(k
     model = pointwise_residual_model(conv2d.CHANNEL_VECTORS_MIN_CHANNELS, out_channels)
     kernel = _scheduled_kernel(model, "conv2d", knob_database)
     assert '"tightfit.channel_vectors": True' in kernel
-    # channel tiles, images and pixel tiles share the threads (the serial database's kernel
+    # images, channel tiles and pixel tiles share the threads (the serial database's kernel
     # keeps a parallel version too: its work is symbolic)
-    assert "for o_0_n_p_0_fused in T.parallel" in kernel
+    assert "for n_o_0_p_0_fused in T.parallel" in kernel
     planes = [(1, 1), (1, pixels - 1), (1, pixels), (1, pixels + 1), (7, 7), (5, 4), (14, 14)]
     assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
                                lambda plane: {"x": _normal(2, conv2d.CHANNEL_VECTORS_MIN_CHANNELS,
@@ -547,17 +549,34 @@ def test_wide_packing_rows_end_in_a_shifted_vector(knob_database, kernel, groups
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_packed_input_is_shared_among_threads_by_rows_as_the_tiles_are(knob_database, stride):
-    """The parallel versions pack the padded input by rows (all images and channels of a row
-    on one thread), as the tiles are computed by output rows. Maps narrower and wider than a
-    tile match."""
+    """The parallel versions pack the padded input by (image, row) (all channels of a row on
+    one thread), as the tiles are computed by (image, output row). Maps narrower and wider
+    than a tile match."""
     model = conv_model(6, 8, groups=1, stride=stride, height="h")
     kernel = _scheduled_kernel(model, "width_vectors", knob_database, ("width_vectors",))
-    assert re.search(r"for \w+ in T\.parallel\([^\n]*\n\s*for n, c, \w+ in T\.grid", kernel)
+    assert re.search(r"for n_\w+ in T\.parallel\([^\n]*\n\s*for c, \w+ in T\.grid", kernel)
+    assert re.search(r"for n_oh_\w+ in T\.parallel", kernel)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
                                lambda hw: {"x": _normal(1, 6, *hw)},
                                [(9, 5), (2 * lanes + 1, 3 * lanes + 2)],
                                conv_algorithms=("width_vectors",))
+
+
+@pytest.mark.parametrize("model", ["mobilenet_v2_style", "resnet_style", "grouped_convnet"])
+def test_every_conv_kernel_shares_its_threads_by_images_first(model):
+    """Each conv kernel's parallel loops (packing, tiles, depthwise channels, im2col, Winograd's
+    transforms) begin with the image, so at a batch of at least the thread count every image
+    stays on one core from kernel to kernel (conv2d's module docstring). These models cover
+    pointwise, 3x3, strided, depthwise, grouped, im2col and Winograd convs."""
+    scheduled, _ = run_pipeline(import_onnx(zoo.get(model).build()).mod, resolve_target("host"),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    parallel_loops = {global_var.name_hint: re.findall(r"for (\w+) in T\.parallel", func.script())
+                      for global_var, func in scheduled.functions.items()
+                      if re.search("conv2d|winograd|im2col", global_var.name_hint)}
+    assert parallel_loops and all(parallel_loops.values())
+    for name, loops in parallel_loops.items():
+        assert all(loop.startswith("n_") for loop in loops), f"{name}: {loops}"
 
 
 @pytest.mark.parametrize("stride", [1, 2])
