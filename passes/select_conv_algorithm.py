@@ -27,7 +27,8 @@ Cost of a candidate = its multiply-adds / its measured multiply-add rate + the b
 move / the memory bandwidth + the transforms' arithmetic, all in seconds (schedules/conv_cost.py);
 the rates come from the knob database where recorded, else from MNN-style defaults (conv_cost.py). The cheapest candidate that fits `max_workspace_bytes` wins (a memory budget
 may lower it: FlexNN's kernel choice under a budget). Symbolic extents are costed at
-`typical_extent` (or the function's `tir_var_upper_bound`).
+`typical_extent` (or the function's `tir_var_upper_bound`), and Winograd's transforms over a
+symbolic height or width at their measured slowdown there (conv_cost.py).
 
 The choice is recorded in the IR, on the kernel's PrimFunc: `tightfit.algorithm`,
 `tightfit.workspace_bytes` and `tightfit.weight_bytes` (symbolic where the shape is), and

@@ -17,7 +17,8 @@ whole vector panels counts as work, because the kernels do it.
 Every candidate also reports its memory: workspace (packed input, Winograd's transformed input
 and GEMM result, im2col's unfolded input) and packed/transformed weight bytes, for the
 budget-aware choice (FlexNN) and the memory plan.
-Limits: symbolic extents are costed at a typical value; beyond im2col's reduction depth the
+Limits: symbolic extents are costed at a typical value (a symbolic plane also slows
+Winograd's transforms: WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN); beyond im2col's reduction depth the
 model has no cache model (a layer that fits L2 and one that does not cost the same per
 multiply-add).
 """
@@ -52,6 +53,14 @@ WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
 # multiply-adds); each extra kernel ~2 us of thread-pool launch and VM call (~350k).
 WINOGRAD_GEMM_EFFICIENCY = {16: 0.55, 32: 1.0, 64: 1.45}
 WINOGRAD_MACS_PER_TRANSFORMED_VALUE = 18
+# Over a symbolic height or width the transform kernels run slower: their stores are checked
+# against the symbolic output size, and tile indices divide by the symbolic tile count.
+# Measured alone, input + output transform, symbolic / static plane (2 threads): 24 channels
+# at 64x64 438 / 84 us (5.2x), 32 at 32x32 74 / 31 us (2.4x), 64 at 56x56 163 / 95 us (1.7x).
+# Chained 3x3 pairs with a symbolic plane then ran Winograd / width kernel at 24 channels
+# 16x16 77 / 34 us, 32x32 249 / 99 us, 64x64 1126 / 298 us; 32 channels 16x16 66 / 47 us;
+# 64 channels 28x28 209 / 519 us and 56x56 876 / 1862 us (where Winograd still wins).
+WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN = 3
 KERNEL_LAUNCH_MACS = 350_000
 # im2col + GEMM, measured on this host (AVX-512, 2 threads, one conv alone and in whole runs):
 # the GEMM over the unfolded input runs as the pointwise width kernel while its reduction fits
@@ -83,6 +92,9 @@ class ConvShape:
     dilation: tuple[int, int]
     padding: tuple[int, int, int, int]
     groups: int
+    # the image's height and width are known at compile time (costed as they are, not at a
+    # typical extent)
+    static_plane: bool = True
 
     @property
     def out_hw(self) -> tuple[int, int]:
@@ -98,12 +110,14 @@ class ConvShape:
     @staticmethod
     def from_call(call: relax.Call, typical: dict) -> ConvShape:
         """The conv's shape with each symbolic extent at its typical value."""
-        n, c, h, w = (_typical(d, typical) for d in call.args[0].ty.shape.values)
+        dims = call.args[0].ty.shape.values
+        n, c, h, w = (_typical(d, typical) for d in dims)
         o, _, kh, kw = (int(d) for d in call.args[1].ty.shape.values)
         attrs = call.attrs
         return ConvShape(n, c, h, w, o, (kh, kw), tuple(int(s) for s in attrs.strides),
                          tuple(int(d) for d in attrs.dilation),
-                         tuple(int(p) for p in attrs.padding), int(attrs.groups))
+                         tuple(int(p) for p in attrs.padding), int(attrs.groups),
+                         all(isinstance(d, tirx.IntImm) for d in dims[2:]))
 
 
 @dataclass(frozen=True)
@@ -256,8 +270,10 @@ def _winograd(shape: ConvShape, isa: VectorISA, width: Candidate, name: str) -> 
     macs = alpha * alpha * tiles * shape.channels * out_channels
     transformed_input = alpha * alpha * tiles * shape.channels
     gemm_result = alpha * alpha * tiles * out_channels
+    transform_slowdown = 1 if shape.static_plane else WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN
     equivalent_macs = (macs / _winograd_gemm_efficiency(shape.channels)
                        + (transformed_input + gemm_result) * WINOGRAD_MACS_PER_TRANSFORMED_VALUE
+                       * transform_slowdown
                        + 2 * KERNEL_LAUNCH_MACS)
     seconds = equivalent_macs * width.seconds / width.macs
     workspace = (transformed_input + gemm_result) * BYTES_PER_FLOAT

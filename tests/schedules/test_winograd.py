@@ -1,11 +1,17 @@
 """Winograd F(m x m, 3 x 3): the transform matrices, and where the cost model uses them."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import run_pipeline
 from tightfit.schedules.conv_cost import ConvShape, Rates, candidate_costs, choose
 from tightfit.schedules.isa import AVX512
 from tightfit.schedules.winograd import MATRICES
+from tightfit.target import resolve_target
 
 
 def as_array(matrix) -> np.ndarray:
@@ -39,6 +45,38 @@ def conv(batch, channels, size, out_channels) -> ConvShape:
 def test_cost_model_uses_winograd_where_it_measured_faster(shape, expected):
     costs = candidate_costs(shape, AVX512, Rates.for_target(AVX512, 2, None))
     assert choose(costs, None).name == expected
+
+
+def test_a_symbolic_plane_costs_winograd_transforms_at_their_measured_slowdown():
+    """Over a symbolic height and width the transform kernels measured 1.7-5x slower
+    (WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN): at the same typical extent a 24-channel conv keeps
+    Winograd over a static plane and runs the width kernel over a symbolic one, as measured
+    (77 vs 34 us at 16x16, 249 vs 99 us at 32x32); a 64-channel one keeps Winograd either way
+    (209 vs 519 us at 28x28)."""
+    rates = Rates.for_target(AVX512, 2, None)
+    for channels, symbolic_choice in [(24, "width_vectors"), (64, "winograd_f4")]:
+        static = conv(1, channels, 32, channels)
+        symbolic = dataclasses.replace(static, static_plane=False)
+        assert choose(candidate_costs(static, AVX512, rates), None).name.startswith("winograd")
+        assert choose(candidate_costs(symbolic, AVX512, rates), None).name == symbolic_choice
+
+
+@pytest.mark.parametrize("plane, expected", [((32, 32), "winograd"), (("h", "w"), "width_vectors")])
+def test_the_pass_sees_whether_a_conv_plane_is_symbolic(plane, expected):
+    """SelectConvAlgorithm costs a conv over a symbolic plane as one (ConvShape.from_call)."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((24, 24, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 24, *plane])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24, None, None])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                               stop_after="tightfit.SelectConvAlgorithm")
+    algorithms = {str(func.attrs["tightfit.algorithm"]) for func in selected.functions.values()
+                  if func.attrs is not None and "tightfit.algorithm" in func.attrs}
+    conv_algorithm, = algorithms - {"dense_packed"}  # the GEMM that Winograd runs
+    assert conv_algorithm.startswith(expected)
 
 
 def test_winograd_workspace_counts_the_transformed_input_and_products():
