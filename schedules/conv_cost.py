@@ -53,8 +53,9 @@ WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
 # multiply-adds); each extra kernel ~2 us of thread-pool launch and VM call (~350k).
 WINOGRAD_GEMM_EFFICIENCY = {16: 0.55, 32: 1.0, 64: 1.45}
 WINOGRAD_MACS_PER_TRANSFORMED_VALUE = 18
-# Over a symbolic height or width the transform kernels run slower: their stores are checked
-# against the symbolic output size, and tile indices divide by the symbolic tile count.
+# Over a symbolic height or width the transform kernels run slower: TVM cannot simplify the
+# clamps on their tile indices there, so their per-tile buffers stay whole-image workspaces
+# instead of small stack arrays.
 # Measured alone, input + output transform, symbolic / static plane (2 threads): 24 channels
 # at 64x64 438 / 84 us (5.2x), 32 at 32x32 74 / 31 us (2.4x), 64 at 56x56 163 / 95 us (1.7x).
 # Chained 3x3 pairs with a symbolic plane then ran Winograd / width kernel at 24 channels
