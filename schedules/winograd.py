@@ -208,9 +208,15 @@ def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, paralle
 
 def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, isa: VectorISA,
                               parallel: bool) -> None:
-    """parallel for (image, tile row, tile column): for output-channel vector, output row a of
+    """parallel for (image, tile row): for tile column, output-channel vector, output row a of
     the tile: the alpha partial sums A^T M of row a, its m outputs per channel, then the write
-    to NCHW with the epilogue (stores strided by the image size)."""
+    to NCHW with the epilogue (stores strided by the image size).
+
+    The tile column stays out of the parallel loop: fused into it, its tile index became
+    min(fused % tiles_w, tiles_w - 1), which TVM cannot simplify over a symbolic width (it
+    cannot prove tiles_w > 0), and the tile buffers stayed whole-image workspaces. Measured
+    alone, 24 channels over a symbolic 64x64: 129 -> 92 us (static: 36 us); static planes
+    within noise (64 channels at 56x56: 41-43 -> 35-36 us)."""
     n, k, h, w = sch.get_loops(out_block)
     row, a = sch.split(h, [None, tile])
     column, b = sch.split(w, [None, tile])
@@ -223,7 +229,7 @@ def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, 
     sch.unroll(b)
     if k_lane is not None:
         sch.vectorize(k_lane)
-    fused = sch.fuse(n, row, column)
+    fused = sch.fuse(n, row)
     if parallel:
         sch.parallel(fused)
 
