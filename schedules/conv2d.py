@@ -467,7 +467,7 @@ def _pack_in_row_blocks(sch: s_tir.Schedule, packing) -> None:
     concatenation (which splits by images) read half its input from the other core: at batch
     2, 0.105 ms for the whole run became 0.117 ms; images outermost, it is 0.105 ms again.
     Blocks of 1 row balanced best (of 1, 2 and 4: resnet_style at batch 4, 0.372 / 0.379 /
-    0.400 ms)."""
+    0.400 ms, measured while the images were still inside the row blocks)."""
     n, c, row, *_ = sch.get_loops(packing)
     # split, not just moved out: padding.vector_packing_rows needs a row loop right above
     # the phase and column loops
