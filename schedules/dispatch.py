@@ -26,9 +26,12 @@ whole run (measured on this 2-core host, TVM 0.27: a parallel loop over 48 x 32 
 the same loop serial 0.06 us; at 4096 x 32 serial still won, 7 us against 14 us). So every
 kernel whose loop work (innermost iterations, summed over its loop nests) can fall below
 `min_parallel_work` gets a serial version beside its parallel one, chosen by the same kind of
-`if` (`parallel_buckets`). The threshold is launch cost x serial throughput; knob_search.py
-measures both on the target and stores it in the knob database, DEFAULT_MIN_PARALLEL_WORK is
-this host's value.
+`if` (`parallel_buckets`). What a second thread saves differs by loop, so the work counts what
+it saves, in elementwise iterations: a register-tiled multiply-accumulate (a dense conv's or
+GEMM's tile update) counts 1/MAC_WORK_DIVISOR per MAC. The threshold is where a chain of
+elementwise loops starts to run faster in parallel than serially (knob_search.py measures it
+on the target and stores it in the knob database); DEFAULT_MIN_PARALLEL_WORK is this host's
+value.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from .register_tile import ROW_TILES, SINGLE_ROW
+from .register_tile import KERNEL_ANNOTATION, ROW_TILES, SINGLE_ROW
 from .tail_tiles import rewrite_loop_nest
 
 
@@ -47,9 +50,21 @@ def row_buckets(row_extent, rows: int) -> list[tuple[str, object]]:
     return [(ROW_TILES, row_extent >= rows), (SINGLE_ROW, None)]
 
 
-# Launch overhead (~2 us unloaded) x serial throughput (~20 innermost iterations per ns for a
-# vectorized elementwise loop) on the host above, rounded to a power of two.
-DEFAULT_MIN_PARALLEL_WORK = 1 << 16
+# Measured on this 2-core host, whole zoo models timed with thresholds from 2^16 to 2^21: 2^17
+# ran the small models fastest (conv_dynamic_hw at 32x32 36 -> 21 us, detector_fpn at 1x3x32x48
+# 48 -> 36 us, speech_encoder at 2x77x40 56 -> 44 us) without slowing the others; at 2^18
+# grouped_convnet's depthwise convs and max pools went serial and it lost 15-40%. The kernels'
+# own serial and parallel times put it there too: data that stays on its core makes a parallel
+# chain of elementwise loops pay from 2^16 iterations, data that moves to the other core from
+# 2^19 (knob_search.calibrate_min_parallel_work measures both).
+DEFAULT_MIN_PARALLEL_WORK = 1 << 17
+
+# A second thread saves ~3.5 ps per MAC of a register-tiled conv (24 -> 24 channels 3x3 at
+# 32x32: 88 -> 70 us; 1.8-6 ps over 1x1 and 3x3 convs of 1-9 M MACs) and ~30-45 ps per element
+# of an elementwise loop, measured on this host; the FMA units, not memory, bound the tile
+# update. Without the divisor, a 12 -> 24 channel conv at 16x16 (0.66 M MACs, 8.5 us) ran in
+# parallel and made conv_dynamic_hw 40% slower than serial.
+MAC_WORK_DIVISOR = 8
 
 
 def parallel_buckets(work, min_parallel_work: int) -> list[tuple[bool, object]]:
@@ -72,8 +87,9 @@ def parallel_buckets(work, min_parallel_work: int) -> list[tuple[bool, object]]:
     return [(True, work >= min_parallel_work), (False, None)]
 
 
-def loop_work(func: tirx.PrimFunc):
-    """Innermost iterations of `func`'s top-level loop nests, summed; None when a loop extent
+def loop_work(func: tirx.PrimFunc, mac_kernels: frozenset[str] = frozenset()):
+    """Innermost iterations of `func`'s top-level loop nests, summed, those of a block whose
+    kernel kind is in `mac_kernels` divided by MAC_WORK_DIVISOR; None when a loop extent
     depends on something other than the parameters' shapes (a data-dependent loop)."""
     shape_vars = [var for param in func.params if hasattr(param, "shape")
                   for dim in param.shape for var in tirx.analysis.undefined_vars(dim)]
@@ -88,6 +104,8 @@ def loop_work(func: tirx.PrimFunc):
                        for var in tirx.analysis.undefined_vars(extent)):
                 return None
             nest = nest * tirx.Cast("int64", extent)
+        if str(sch.get(block).annotations.get(KERNEL_ANNOTATION, "")) in mac_kernels:
+            nest = tirx.floordiv(nest, MAC_WORK_DIVISOR)
         total = total + nest
     return tvm.sym.Analyzer().simplify(total)
 

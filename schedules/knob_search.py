@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -130,30 +131,54 @@ def time_prim_func(func: tirx.PrimFunc, extents: dict[str, int], target) -> floa
 
 
 def calibrate_min_parallel_work(target: tvm.target.Target) -> int:
-    """Loop work at which a parallel loop starts to pay (dispatch.py): the measured cost of a
-    parallel launch over the serial time per innermost iteration of an elementwise loop,
-    rounded up to a power of two."""
-    lanes = isa_for_target(target).lanes
-    small, large = 2, 1 << 12
+    """Loop work at which a parallel loop starts to pay (dispatch.py), measured on a chain of two
+    vectorized elementwise loops, as a model's kernels follow each other.
 
-    def elementwise(rows: int, parallel: bool) -> float:
-        data = te.placeholder((rows, 64), name="data")
-        out = te.compute((rows, 64), lambda i, j: data[i, j] * 2.0 + 1.0, name="out")
-        sch = tvm.s_tir.Schedule(te.create_prim_func([data, out]))
-        row, column = sch.get_loops(sch.get_sblock("out"))
-        _, lane = sch.split(column, [None, lanes])
+    Where the parallel chain overtakes the serial one depends on where the data is: when the
+    second loop splits its rows as the first did, each core reads what it wrote; when it splits
+    them the other way round, each reads what the other core wrote, and on this host the
+    crossover moves from 2^16 to 2^19 iterations. A model's kernels do both (a conv split by
+    images, then by pixels, then a depthwise conv split by channels), so the threshold is the
+    geometric mean of the two crossovers, rounded down to a power of two: an elementwise
+    iteration is the cheapest a loop has, and the window and depthwise loops, whose iterations
+    cost more, gain more from a thread. 2^17 on this host, where timing whole zoo models at
+    thresholds from 2^16 to 2^21 found the same value (dispatch.DEFAULT_MIN_PARALLEL_WORK).
+    """
+    crossovers = []
+    for rows_reversed in (False, True):
+        works = [1 << exponent for exponent in range(12, 23)]
+        crossovers.append(next(
+            (work for work in works
+             if _elementwise_chain_seconds(target, work, True, rows_reversed)
+             < _elementwise_chain_seconds(target, work, False, rows_reversed)),
+            works[-1]))
+    return 1 << math.floor(statistics.mean(math.log2(work) for work in crossovers))
+
+
+CHAIN_COLUMNS = 64
+
+
+def _elementwise_chain_seconds(target: tvm.target.Target, work: int, parallel: bool,
+                               rows_reversed: bool) -> float:
+    """Seconds of one call of b = 2a + 1, c = b'/2 - 1 over (rows, 64) floats, where the loop
+    work 2 x rows x 64 is `work` and b' is b, or b with its rows reversed. The rows are static,
+    as in a compiled kernel: over a symbolic row count the parallel chain ran 1.5-2x slower."""
+    shape = (max(1, work // (2 * CHAIN_COLUMNS)), CHAIN_COLUMNS)
+    a = te.placeholder(shape, name="a")
+    b = te.compute(shape, lambda i, j: a[i, j] * 2.0 + 1.0, name="b")
+    c = te.compute(shape, lambda i, j: b[shape[0] - 1 - i if rows_reversed else i, j] * 0.5 - 1.0,
+                   name="c")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([a, c]))
+    for block in ("b", "c"):
+        row, column = sch.get_loops(sch.get_sblock(block))
+        _, lane = sch.split(column, [None, isa_for_target(target).lanes])
         sch.vectorize(lane)
         if parallel:
             sch.parallel(row)
-        library = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target)
-        arrays = [tvm.runtime.tensor(np.zeros((rows, 64), "float32")) for _ in range(2)]
-        timer = library.mod.time_evaluator("main", tvm.cpu(), number=100, repeat=REPEAT)
-        return statistics.median(timer(*arrays).results)
-
-    launch = max(0.0, elementwise(small, True) - elementwise(small, False))
-    per_iteration = elementwise(large, False) / (large * 64)
-    work = max(1, int(launch / per_iteration))
-    return 1 << (work - 1).bit_length()
+    library = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target)
+    arrays = [tvm.runtime.tensor(np.zeros(shape, "float32")) for _ in range(2)]
+    timer = library.mod.time_evaluator("main", tvm.cpu(), number=NUMBER, repeat=REPEAT)
+    return statistics.median(timer(*arrays).results)
 
 
 def _schedule(mod: tvm.IRModule, target, database_path: str | None) -> tvm.IRModule:

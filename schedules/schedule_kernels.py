@@ -39,6 +39,8 @@ from .register_tile import (
 )
 
 REGISTER_TILE_KERNELS = {conv2d.DIRECT, gemm.DENSE, gemm.MATMUL}
+# the kernels whose tiles block is a register-tiled multiply-accumulate (dispatch.loop_work)
+MAC_KERNELS = frozenset(REGISTER_TILE_KERNELS | {conv2d.WIDTH_VECTORS})
 
 
 @tvm.transform.module_pass(opt_level=0, name="tightfit.ScheduleKernels")
@@ -84,7 +86,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         version_buckets = conv2d.channel_vector_buckets(row_extent, tile_pixels)
     buckets = [(version, parallel, combine(row_condition, work_condition))
                for version, row_condition in version_buckets
-               for parallel, work_condition in parallel_buckets(loop_work(func), min_parallel_work)]
+               for parallel, work_condition in parallel_buckets(loop_work(func, MAC_KERNELS),
+                                                               min_parallel_work)]
     for version, parallel, condition in buckets:
         sch = s_tir.Schedule(func)
         tiles = sch.get_sblock(block_name)

@@ -1,0 +1,84 @@
+"""Which kernels run on one thread: a kernel's loop work counts a register-tiled
+multiply-accumulate at 1/MAC_WORK_DIVISOR per MAC (dispatch.py), and the threshold it is
+compared with is measured on the target (knob_search.calibrate_min_parallel_work)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from tvm import tirx
+
+import tightfit
+from tightfit.feeds import run_onnxruntime
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.schedules.dispatch import MAC_WORK_DIVISOR, loop_work
+from tightfit.schedules.knob_search import calibrate_min_parallel_work
+from tightfit.schedules.register_tile import KERNEL_ANNOTATION
+from tightfit.schedules.schedule_kernels import MAC_KERNELS, find_kernel_block
+from tightfit.target import resolve_target
+
+CHANNELS, OUT_CHANNELS, SIZE = 12, 24, 16
+MACS = OUT_CHANNELS * SIZE * SIZE * CHANNELS * 9
+
+
+def static_conv_model():
+    """A 12 -> 24 channel 3x3 conv over a static 16x16 image, as conv_dynamic_hw's second."""
+    rng = np.random.default_rng(4)
+    weight = rng.standard_normal((OUT_CHANNELS, CHANNELS, 3, 3)).astype(np.float32) * 0.2
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])],
+        "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, CHANNELS, SIZE, SIZE])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, OUT_CHANNELS, SIZE, SIZE])],
+        [numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def knob_database(tmp_path, threshold: int) -> str:
+    path = tmp_path / f"threshold_{threshold}.json"
+    path.write_text(json.dumps({"format": 1, "targets": {str(resolve_target("host").tvm_target): {
+        "tiles": {}, "rates": {}, "min_parallel_work": threshold}}}))
+    return str(path)
+
+
+def conv_kernel_before_scheduling():
+    mod, _ = run_pipeline(import_onnx(static_conv_model()).mod, resolve_target("host"),
+                          PipelineOptions(), stop_after="DeadCodeElimination")
+    found = [func for func in mod.functions.values()
+             if isinstance(func, tirx.PrimFunc) and find_kernel_block(func) is not None]
+    assert len(found) == 1
+    return found[0]
+
+
+def test_a_register_tiled_convs_macs_count_a_fraction_of_its_loop_work():
+    func = conv_kernel_before_scheduling()
+    assert str(find_kernel_block(func)[1][KERNEL_ANNOTATION]) in MAC_KERNELS
+    unweighted, weighted = int(loop_work(func)), int(loop_work(func, MAC_KERNELS))
+    assert unweighted - weighted == MACS - MACS // MAC_WORK_DIVISOR
+
+
+@pytest.mark.parametrize("side", ["below", "above"])
+def test_a_conv_runs_serially_exactly_when_its_weighted_work_is_below_the_threshold(tmp_path, side):
+    func = conv_kernel_before_scheduling()
+    unweighted, weighted = int(loop_work(func)), int(loop_work(func, MAC_KERNELS))
+    # between the two counts, only the weighting can send the kernel to one thread
+    threshold = (weighted + unweighted) // 2 if side == "below" else weighted
+    options = PipelineOptions(knob_database=knob_database(tmp_path, threshold))
+    scheduled, _ = run_pipeline(import_onnx(static_conv_model()).mod, resolve_target("host"),
+                                options, stop_after="tightfit.FallbackCPUSchedule")
+    kernel = next(func.script() for global_var, func in scheduled.functions.items()
+                  if isinstance(func, tirx.PrimFunc) and "conv2d" in global_var.name_hint)
+    assert ("T.parallel" in kernel) == (side == "above")
+
+    model = static_conv_model()
+    feeds = {"x": np.random.default_rng(5).standard_normal((1, CHANNELS, SIZE, SIZE)).astype(np.float32)}
+    ours = tightfit.compile(model, options=options).session().run(feeds)
+    np.testing.assert_allclose(ours["y"], run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
+def test_the_calibrated_threshold_is_a_power_of_two_within_the_measured_range():
+    threshold = calibrate_min_parallel_work(resolve_target("host").tvm_target)
+    assert 1 << 12 <= threshold <= 1 << 22
+    assert math.log2(threshold).is_integer()
