@@ -62,8 +62,8 @@ DEFAULT_MIN_PARALLEL_WORK = 1 << 17
 # A second thread saves ~3.5 ps per MAC of a register-tiled conv (24 -> 24 channels 3x3 at
 # 32x32: 88 -> 70 us; 1.8-6 ps over 1x1 and 3x3 convs of 1-9 M MACs) and ~30-45 ps per element
 # of an elementwise loop, measured on this host; the FMA units, not memory, bound the tile
-# update. Without the divisor, a 12 -> 24 channel conv at 16x16 (0.66 M MACs, 8.5 us) ran in
-# parallel and made conv_dynamic_hw 40% slower than serial.
+# update. Without the divisor, conv_dynamic_hw's convs (0.33 and 0.66 M MACs at 32x32, 4.5 and
+# 8.5 us serial) ran in parallel, and the model took 36 us; with them serial, 21-24 us.
 MAC_WORK_DIVISOR = 8
 
 

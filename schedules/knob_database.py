@@ -14,7 +14,7 @@ File format (JSON, one file, written atomically):
                                         "us": 12.5, "shape": "..."}},
          "rates": {"macs_per_second": ..., "bytes_per_second": ...,
                    "transform_flops_per_second": ...},
-         "min_parallel_work": 65536}}}
+         "min_parallel_work": 131072}}}
 Bucket: `v<panel vectors needed, at most 8>/m<row extent bucket>`, where the row extent bucket
 is `dyn` for a symbolic extent and the next power of two (at most 1024) otherwise.
 MetaSchedule tuning records, where a database of them exists, are applied separately and win.
