@@ -52,7 +52,8 @@ def row_buckets(row_extent, rows: int) -> list[tuple[str, object]]:
 
 # Measured on this 2-core host, whole zoo models timed with thresholds from 2^16 to 2^21: 2^17
 # ran the small models fastest (conv_dynamic_hw at 32x32 36 -> 21 us, detector_fpn at 1x3x32x48
-# 48 -> 36 us, speech_encoder at 2x77x40 56 -> 44 us) without slowing the others; at 2^18
+# 48 -> 36 us, speech_encoder at 2x77x40 56 -> 44 us); the others moved by 4% or less (detector_fpn
+# at batch 2 3-4% slower in two sweeps, resnet_style at batch 4 0-3% faster); at 2^18
 # grouped_convnet's depthwise convs and max pools went serial and it lost 15-40%. The kernels'
 # own serial and parallel times put it there too: data that stays on its core makes a parallel
 # chain of elementwise loops pay from 2^16 iterations, data that moves to the other core from

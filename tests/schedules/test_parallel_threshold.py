@@ -73,7 +73,8 @@ def test_a_conv_runs_serially_exactly_when_its_weighted_work_is_below_the_thresh
     assert ("T.parallel" in kernel) == (side == "above")
 
     model = static_conv_model()
-    feeds = {"x": np.random.default_rng(5).standard_normal((1, CHANNELS, SIZE, SIZE)).astype(np.float32)}
+    image = np.random.default_rng(5).standard_normal((1, CHANNELS, SIZE, SIZE))
+    feeds = {"x": image.astype(np.float32)}
     ours = tightfit.compile(model, options=options).session().run(feeds)
     np.testing.assert_allclose(ours["y"], run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
 
