@@ -210,8 +210,11 @@ class _ConvRewriter(relax.PyExprMutator):
             self.weight_only.transformed_name(source_weight, f"winograd{tile}"), tile=tile,
             panel_width=knobs.vectors * self.isa.lanes)
         padding = [int(p) for p in call.attrs.padding]
-        tiles = emit_kernel(self.builder_, winograd.winograd_input, [data], "winograd_input",
-                            {}, f"{name}_winograd_input", tile=tile, padding=padding)
+        tile_grid = emit_kernel(self.builder_, winograd.winograd_input, [data], "winograd_input",
+                                {}, f"{name}_winograd_input", tile=tile, padding=padding)
+        points, batch, tiles_h, tiles_w, channels = tile_grid.ty.shape.values
+        tiles = self.builder_.emit(relax.op.reshape(
+            tile_grid, [points, batch, tiles_h * tiles_w, channels]))
         products = emit_kernel(self.builder_, gemm.dense_packed, [tiles, transformed],
                                "dense_packed", {"tightfit.algorithm": gemm.DENSE},
                                f"{name}_winograd_gemm", out_features=out_channels,

@@ -53,15 +53,17 @@ WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
 # multiply-adds); each extra kernel ~2 us of thread-pool launch and VM call (~350k).
 WINOGRAD_GEMM_EFFICIENCY = {16: 0.55, 32: 1.0, 64: 1.45}
 WINOGRAD_MACS_PER_TRANSFORMED_VALUE = 18
-# Over a symbolic height or width the transform kernels run slower: their tile indices divide
-# by the symbolic tile counts and are clamped with min(), where a static plane folds both to
-# constants (the output transform's share of this fell with 6ef3075; the constant was measured
-# before it and still holds: 4.9x at 24 channels, 64x64, after it).
-# Measured alone, input + output transform, symbolic / static plane (2 threads): 24 channels
-# at 64x64 438 / 84 us (5.2x), 32 at 32x32 74 / 31 us (2.4x), 64 at 56x56 163 / 95 us (1.7x).
-# Chained 3x3 pairs with a symbolic plane then ran Winograd / width kernel at 24 channels
-# 16x16 77 / 34 us, 32x32 249 / 99 us, 64x64 1126 / 298 us; 32 channels 16x16 66 / 47 us;
-# 64 channels 28x28 209 / 519 us and 56x56 876 / 1862 us (where Winograd still wins).
+# Over a symbolic height or width the transform kernels run slower. Measured alone, input +
+# output transform, symbolic / static plane (2 threads): 24 channels at 64x64 118 / 91 us, at
+# 32x32 32 / 26 us; 48 at 40x40 55 / 37 us; 64 at 28x28 37 / 29 us and at 56x56 126 / 101 us;
+# but 16 and 32 channels at 32x32 78 / 27 and 83 / 31 us (the output transform's write-back: over
+# a symbolic width each pixel's store is checked, and LLVM scatters every channel vector lane by
+# lane). Chained 3x3 pairs over a symbolic plane, Winograd / width kernel: 24 channels 16x16
+# 39 / 39 us, 32x32 139 / 117 us, 64x64 440 / 375 us; 32 channels 16x16 52 / 61 us, 32x32
+# 228 / 190 us; 64 channels 28x28 240 / 577 us. With 3 the choice is the faster kernel in five
+# of these six (not 32 channels at 16x16); with 2 or 1.5 the 32-channel conv at 32x32 takes
+# Winograd, 1.2x slower. (Before the transforms vectorized narrow channel counts, 24 channels
+# at 64x64 took 438 / 84 us.)
 WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN = 3
 KERNEL_LAUNCH_MACS = 350_000
 # im2col + GEMM, measured on this host (AVX-512, 2 threads, one conv alone and in whole runs):

@@ -1,13 +1,14 @@
 """Winograd F(m x m, 3 x 3): the transform matrices, and where the cost model uses them."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tightfit.frontend import import_onnx
-from tightfit.pipeline import run_pipeline
+from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.conv_cost import ConvShape, Rates, candidate_costs, choose
 from tightfit.schedules.isa import AVX512
 from tightfit.schedules.winograd import MATRICES
@@ -48,11 +49,11 @@ def test_cost_model_uses_winograd_where_it_measured_faster(shape, expected):
 
 
 def test_a_symbolic_plane_costs_winograd_transforms_at_their_measured_slowdown():
-    """Over a symbolic height and width the transform kernels measured 1.7-5x slower
+    """Over a symbolic height and width the transform kernels measured 1.2-2.9x slower
     (WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN): at the same typical extent a 24-channel conv keeps
     Winograd over a static plane and runs the width kernel over a symbolic one, as measured
-    (77 vs 34 us at 16x16, 249 vs 99 us at 32x32); a 64-channel one keeps Winograd either way
-    (209 vs 519 us at 28x28)."""
+    (139 vs 117 us at 32x32, 440 vs 375 us at 64x64); a 64-channel one keeps Winograd either
+    way (240 vs 577 us at 28x28)."""
     rates = Rates.for_target(AVX512, 2, None)
     for channels, symbolic_choice in [(24, "width_vectors"), (64, "winograd_f4")]:
         static = conv(1, channels, 32, channels)
@@ -124,3 +125,28 @@ def test_im2col_is_chosen_for_strided_1x1_convs_where_it_measured_faster(channel
                       (0, 0, 0, 0), 1)
     assert choose(candidate_costs(shape, AVX512, Rates.for_target(AVX512, 2, None)),
                   None).name == "im2col"
+
+
+def test_transforms_over_a_symbolic_plane_take_plain_tile_indices_and_channel_vectors():
+    """24 channels over h x w: both transforms vectorize over 8-lane channel vectors (24 is no
+    whole number of 16-lane ones, and LLVM left the loop scalar over a symbolic plane), and the
+    input transform's tile row and column are loops of their own, not a division and remainder
+    of one tile number by the symbolic tile count."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((24, 24, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 24, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24, None, None])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                                PipelineOptions(conv_algorithms=("winograd_f4",)),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    scripts = {global_var.name_hint: func.script() for global_var, func in scheduled.functions.items()
+               if "winograd" in global_var.name_hint}
+    input_script = scripts["winograd_input"]
+    output_script, = [text for name, text in scripts.items() if "winograd_output" in name]
+    for script in (input_script, output_script):
+        assert "T.vectorized(T.int64(8))" in script
+    assert "v_t //" not in input_script and "v_t %" not in input_script
+    assert re.search(r"for n_row_fused in T\.parallel", input_script)
