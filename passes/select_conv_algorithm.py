@@ -25,14 +25,19 @@ compile time) the candidates are
   workspace = the transformed input and the GEMM's result.
 Cost of a candidate = its multiply-adds / its measured multiply-add rate + the bytes its stages
 move / the memory bandwidth + the transforms' arithmetic, all in seconds (schedules/conv_cost.py);
-the rates come from the knob database where recorded, else from MNN-style defaults (conv_cost.py). The cheapest candidate that fits `max_workspace_bytes` wins (a memory budget
-may lower it: FlexNN's kernel choice under a budget). Symbolic extents are costed at
+the rates come from the knob database where recorded, else from MNN-style defaults (conv_cost.py).
+Where the knob database holds the candidates' times measured on the target for this conv
+(`tightfit search`, python/tightfit/algorithm_search.py), those rank them instead. The cheapest
+candidate that fits `max_workspace_bytes` wins (a memory budget may lower it: FlexNN's kernel
+choice under a budget). Symbolic extents are costed at
 `typical_extent` (or the function's `tir_var_upper_bound`), and Winograd's transforms over a
 symbolic height or width at their measured slowdown there (conv_cost.py).
 
 The choice is recorded in the IR, on the kernel's PrimFunc: `tightfit.algorithm`,
+`tightfit.conv_key` (the knob database's key for the conv's measured times),
 `tightfit.workspace_bytes` and `tightfit.weight_bytes` (symbolic where the shape is), and
-`tightfit.candidates` (name, estimated microseconds, bytes) for every candidate considered.
+`tightfit.candidates` (name, estimated and measured microseconds, bytes) for every candidate
+considered.
 Weight packing/transforms are emitted as weight-only bindings, so PreTransformWeights, which
 runs after this pass, computes them once at compile time and stores the result.
 A conv1d (NCW) is rewritten as the conv2d of a one-row image between an expand_dims and a
@@ -49,7 +54,15 @@ import tvm
 from tvm import relax, tirx
 
 from ..schedules import conv2d, gemm, winograd
-from ..schedules.conv_cost import WINOGRAD_TILES, ConvShape, Rates, candidate_costs, choose
+from ..schedules.conv_cost import (
+    WINOGRAD_TILES,
+    Candidate,
+    ConvShape,
+    Rates,
+    candidate_costs,
+    choose,
+    with_measurements,
+)
 from ..schedules.isa import isa_for_target
 from ..schedules.kernel_call import WeightOnly, emit_kernel, emit_weight_transform
 from ..schedules.knob_database import KnobDatabase
@@ -64,17 +77,46 @@ DEFAULT_TYPICAL_EXTENT = 32
 CONV_PANEL_WIDTH = 16
 
 
+class ConvCosting:
+    """How the pass costs the convs of one function for the current target: the target's vector
+    ISA and rates, the knob database's measurements, the symbolic dims' typical extents."""
+
+    def __init__(self, func: relax.Function, database: KnobDatabase,
+                 typical_extent: int = DEFAULT_TYPICAL_EXTENT,
+                 algorithms: tuple[str, ...] | None = None):
+        self.isa = isa_for_target(tvm.target.Target.current(allow_none=True))
+        self.database = database
+        self.rates = Rates.for_target(self.isa, _target_threads(), database.rates())
+        self.typical = _typical_extents(func, typical_extent)
+        self.algorithms = algorithms
+
+    def shape(self, call: relax.Call) -> ConvShape:
+        return ConvShape.from_call(call, self.typical)
+
+    def estimates(self, call: relax.Call) -> list[Candidate]:
+        """The allowed candidates of a conv2d or conv1d call, as the cost model estimates them."""
+        costs = candidate_costs(self.shape(call), self.isa, self.rates)
+        # a conv none of the allowed algorithms applies to (im2col on a pointwise conv, Winograd
+        # on a strided one) keeps its own candidates
+        allowed = [c for c in costs if self.algorithms is None or c.name in self.algorithms]
+        return allowed or costs
+
+    def candidates(self, call: relax.Call) -> list[Candidate]:
+        """The candidates to choose from: those measured on the target, with their times, where
+        the knob database has this conv's times; else the estimates."""
+        return with_measurements(self.estimates(call),
+                                 self.database.conv_times(self.shape(call).measurement_key))
+
+
 @relax.expr_functor.mutator
 class _ConvRewriter(relax.PyExprMutator):
-    def __init__(self, mod, func, isa, database, max_workspace_bytes, typical_extent, algorithms):
+    def __init__(self, mod, func, costing: ConvCosting, max_workspace_bytes):
         super().__init__(mod)
-        self.algorithms = algorithms
         self.weight_only = WeightOnly(func)
-        self.isa = isa
-        self.database = database
-        self.rates = Rates.for_target(isa, _target_threads(), database.rates())
+        self.costing = costing
+        self.isa = costing.isa
+        self.database = costing.database
         self.max_workspace_bytes = max_workspace_bytes
-        self.typical = _typical_extents(func, typical_extent)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
@@ -107,12 +149,7 @@ class _ConvRewriter(relax.PyExprMutator):
     def _choose_and_emit(self, call, data, weight, name, source_weight):
         """Cost the candidates of the conv2d `call`, emit the cheapest; `source_weight` names the
         packed weight in the weight file."""
-        shape = ConvShape.from_call(call, self.typical)
-        costs = candidate_costs(shape, self.isa, self.rates)
-        # a conv none of the allowed algorithms applies to (im2col on a pointwise conv, Winograd
-        # on a strided one) keeps its own candidates
-        allowed = [c for c in costs if self.algorithms is None or c.name in self.algorithms]
-        costs = allowed or costs
+        costs = self.costing.candidates(call)
         chosen = choose(costs, self.max_workspace_bytes)
         return self._emit(chosen.name, call, data, weight, costs, name, source_weight)
 
@@ -126,6 +163,7 @@ class _ConvRewriter(relax.PyExprMutator):
         record = {
             "tightfit.algorithm": algorithm,
             "tightfit.candidates": [c.as_record() for c in costs],
+            "tightfit.conv_key": self.costing.shape(call).measurement_key,
         }
         if algorithm == "depthwise":
             record.update(_footprint(costs, algorithm))
@@ -234,13 +272,12 @@ class SelectConvAlgorithm:
         self.typical_extent = typical_extent
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        isa = isa_for_target(tvm.target.Target.current(allow_none=True))
         database = KnobDatabase.open(self.database_path, tvm.target.Target.current(allow_none=True))
         for global_var, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function) or not _has_conv(func):
+            if not isinstance(func, relax.Function) or not convs_to_choose(func):
                 continue
-            rewriter = _ConvRewriter(mod, func, isa, database, self.max_workspace_bytes,
-                                     self.typical_extent, self.algorithms)
+            costing = ConvCosting(func, database, self.typical_extent, self.algorithms)
+            rewriter = _ConvRewriter(mod, func, costing, self.max_workspace_bytes)
             new_func = rewriter.visit_expr(func)
             mod = rewriter.builder_.get()
             mod[global_var] = relax.analysis.remove_all_unused(new_func)
@@ -274,12 +311,16 @@ def _is_supported(value, op_name: str, layouts: tuple[str, str, str]) -> bool:
     return data_ty.shape is not None and isinstance(data_ty.shape.values[1], tirx.IntImm)
 
 
-def _has_conv(func: relax.Function) -> bool:
+def convs_to_choose(func: relax.Function) -> list[relax.Call]:
+    """The conv2d and conv1d calls of `func` this pass chooses an algorithm for: supported, with
+    a weight known at compile time."""
+    weight_only = WeightOnly(func)
     found = []
     relax.analysis.post_order_visit(
         func, lambda node: found.append(node)
-        if _is_supported_conv(node) or _is_supported_conv1d(node) else None)
-    return bool(found)
+        if (_is_supported_conv(node) or _is_supported_conv1d(node)) and weight_only(node.args[1])
+        else None)
+    return found
 
 
 def _pointwise_weight_bytes(call: relax.Call) -> int:

@@ -9,11 +9,13 @@ cost, measured on real machines. Here each term is in seconds:
   + transform arithmetic / transform_flops_per_second
 (Winograd's transforms and extra kernels are costed instead in multiply-add equivalents measured
 against the width kernel, WINOGRAD_* below), with the three rates read from the knob database's
-"rates" where recorded (the knob search, knob_search.py, does not measure them yet: it records
-tiles and the parallel threshold), else the defaults below: 60% of the vector unit's FMA peak
-at 3 GHz on the target's cores for the register-tile GEMM, a quarter of that for the
-transforms (short, shuffle-bound loops), 10 GB/s for memory. Zero padding of output channels to
-whole vector panels counts as work, because the kernels do it.
+"rates" where recorded, else the defaults below: 60% of the vector unit's FMA peak at 3 GHz on
+the target's cores for the register-tile GEMM, a quarter of that for the transforms (short,
+shuffle-bound loops), 10 GB/s for memory. Zero padding of output channels to whole vector
+panels counts as work, because the kernels do it.
+The constants were measured on one host. Where a conv's candidates were timed on the target
+(python/tightfit/algorithm_search.py, `tightfit search`), those times decide instead
+(`with_measurements`): MNN's choice is calibrated on the device it runs on.
 Every candidate also reports its memory: workspace (packed input, Winograd's transformed input
 and GEMM result, im2col's unfolded input) and packed/transformed weight bytes, for the
 budget-aware choice (FlexNN) and the memory plan.
@@ -26,7 +28,7 @@ multiply-add).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 from tvm import relax, tirx
@@ -99,6 +101,7 @@ class ConvShape:
     # the image's height and width are known at compile time (costed as they are, not at a
     # typical extent)
     static_plane: bool = True
+    static_batch: bool = True
 
     @property
     def out_hw(self) -> tuple[int, int]:
@@ -111,30 +114,56 @@ class ConvShape:
     def is_depthwise(self) -> bool:
         return self.groups > 1 and self.groups == self.channels == self.out_channels
 
+    @property
+    def measurement_key(self) -> str:
+        """This conv's key for measured algorithm times in the knob database: its attributes
+        and its batch, height and width, each `dyn` where symbolic (measured at one extent and
+        used at all)."""
+        dims = [str(value) if static else "dyn" for value, static
+                in zip((self.batch, self.height, self.width),
+                       (self.static_batch, self.static_plane, self.static_plane))]
+        return ("conv2d/c{}/o{}/g{}/k{}x{}/s{}x{}/d{}x{}/p{}/n{}/h{}/w{}".format(
+            self.channels, self.out_channels, self.groups, *self.kernel, *self.strides,
+            *self.dilation, ",".join(map(str, self.padding)), *dims))
+
     @staticmethod
     def from_call(call: relax.Call, typical: dict) -> ConvShape:
-        """The conv's shape with each symbolic extent at its typical value."""
-        dims = call.args[0].ty.shape.values
-        n, c, h, w = (_typical(d, typical) for d in dims)
-        o, _, kh, kw = (int(d) for d in call.args[1].ty.shape.values)
+        """The shape of a conv2d call, or of a conv1d call as the conv2d of a one-row image
+        (as SelectConvAlgorithm runs it), each symbolic extent at its typical value."""
         attrs = call.attrs
-        return ConvShape(n, c, h, w, o, (kh, kw), tuple(int(s) for s in attrs.strides),
-                         tuple(int(d) for d in attrs.dilation),
-                         tuple(int(p) for p in attrs.padding), int(attrs.groups),
-                         all(isinstance(d, tirx.IntImm) for d in dims[2:]))
+        strides, dilation, padding = ([int(v) for v in values] for values
+                                      in (attrs.strides, attrs.dilation, attrs.padding))
+        dims = list(call.args[0].ty.shape.values)
+        weight_dims = [int(d) for d in call.args[1].ty.shape.values]
+        if len(dims) == 3:  # NCW: a one-row image, padded left and right only
+            dims.insert(2, tirx.const(1, "int64"))
+            weight_dims.insert(2, 1)
+            strides, dilation = [1, *strides], [1, *dilation]
+            padding = [0, padding[0], 0, padding[1]]
+        n, c, h, w = (_typical(d, typical) for d in dims)
+        o, _, kh, kw = weight_dims
+        return ConvShape(n, c, h, w, o, (kh, kw), tuple(strides), tuple(dilation),
+                         tuple(padding), int(attrs.groups),
+                         all(isinstance(d, tirx.IntImm) for d in dims[2:]),
+                         isinstance(dims[0], tirx.IntImm))
 
 
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    seconds: float
+    seconds: float  # estimated by the model
     macs: int
     workspace_bytes: int
     weight_bytes: int
+    measured_seconds: float | None = None  # timed on the target (algorithm_search.py)
 
     def as_record(self) -> dict:
-        return {"name": self.name, "estimated_us": round(self.seconds * 1e6, 3), "macs": self.macs,
-                "workspace_bytes": self.workspace_bytes, "weight_bytes": self.weight_bytes}
+        record = {"name": self.name, "estimated_us": round(self.seconds * 1e6, 3),
+                  "macs": self.macs, "workspace_bytes": self.workspace_bytes,
+                  "weight_bytes": self.weight_bytes}
+        if self.measured_seconds is not None:
+            record["measured_us"] = round(self.measured_seconds * 1e6, 3)
+        return record
 
 
 @dataclass(frozen=True)
@@ -167,13 +196,25 @@ def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates) -> list[Cand
     return candidates
 
 
+def with_measurements(candidates: list[Candidate], measured_us: dict | None) -> list[Candidate]:
+    """The candidates timed on the target, with their times, where the knob database has a
+    record of this conv (`measured_us`: name -> microseconds, None for a candidate that failed
+    to compile or run there, which is never chosen); all candidates, estimated only, where it
+    has none or timed none of them. A measurement outranks the model: MNN calibrates its
+    choice on the device, and the model's constants were fitted on one host."""
+    measured = [replace(c, measured_seconds=measured_us[c.name] * 1e-6) for c in candidates
+                if measured_us and measured_us.get(c.name) is not None]
+    return measured or candidates
+
+
 def choose(candidates: list[Candidate], max_workspace_bytes: int | None) -> Candidate:
-    """The fastest candidate within the workspace limit; the smallest workspace if none fits."""
+    """The fastest candidate within the workspace limit, by measured time where the candidates
+    were measured (`with_measurements`), else estimated; the smallest workspace if none fits."""
     fitting = [c for c in candidates
                if max_workspace_bytes is None or c.workspace_bytes <= max_workspace_bytes]
     if not fitting:
         return min(candidates, key=lambda c: c.workspace_bytes)
-    return min(fitting, key=lambda c: c.seconds)
+    return min(fitting, key=lambda c: c.seconds if c.measured_seconds is None else c.measured_seconds)
 
 
 def is_winograd_eligible(shape: ConvShape) -> bool:

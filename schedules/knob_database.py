@@ -14,9 +14,14 @@ File format (JSON, one file, written atomically):
                                         "us": 12.5, "shape": "..."}},
          "rates": {"macs_per_second": ..., "bytes_per_second": ...,
                    "transform_flops_per_second": ...},
+         "conv_algorithms": {"<conv key>": {"us": {"width_vectors": 12.1, "winograd_f2": null},
+                                            "shape": "1x12x16x16"}},
          "min_parallel_work": 131072}}}
 Bucket: `v<panel vectors needed, at most 8>/m<row extent bucket>`, where the row extent bucket
 is `dyn` for a symbolic extent and the next power of two (at most 1024) otherwise.
+Conv key: conv_cost.ConvShape.measurement_key (attributes, batch, height, width); its record
+holds each candidate algorithm's time on the target (None: failed there) and the input shape
+it was timed at (python/tightfit/algorithm_search.py).
 MetaSchedule tuning records, where a database of them exists, are applied separately and win.
 """
 
@@ -85,6 +90,16 @@ class KnobDatabase:
 
     def record_min_parallel_work(self, work: int) -> None:
         self._entry()["min_parallel_work"] = int(work)
+
+    def conv_times(self, key: str) -> dict | None:
+        """Microseconds per candidate algorithm of the conv with this key, where measured."""
+        record = self._entry().get("conv_algorithms", {}).get(key)
+        return None if record is None else dict(record["us"])
+
+    def record_conv_times(self, key: str, microseconds: dict, shape: str) -> None:
+        self._entry().setdefault("conv_algorithms", {})[key] = {
+            "us": {name: None if us is None else round(us, 3) for name, us in microseconds.items()},
+            "shape": shape}
 
     def record_rates(self, rates: dict) -> None:
         self._entry()["rates"].update(rates)

@@ -57,7 +57,7 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
     imported = import_onnx(model)
     isa = isa_for_target(target.tvm_target)
     database = KnobDatabase.open(database_path, target.tvm_target)
-    extents = _symbol_values(imported.mod, shapes)
+    extents = symbol_values(imported.mod, shapes)
     buckets = {bucket for bucket, _ in _kernels(_schedule(imported.mod, target, database_path), isa)}
     candidates = {bucket: candidate_knobs(bucket, isa)[:max_candidates] for bucket in buckets}
     timings: dict[str, list[tuple[float, TileKnobs]]] = {bucket: [] for bucket in buckets}
@@ -223,7 +223,7 @@ def _kernel_annotations(func: tirx.PrimFunc) -> dict | None:
     return found[0] if found else None
 
 
-def _symbol_values(mod: tvm.IRModule, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+def symbol_values(mod: tvm.IRModule, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     """Symbolic dim name -> value, read off main's inputs at `shapes`."""
     values = {}
     for param in mod["main"].params:

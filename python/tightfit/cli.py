@@ -51,6 +51,7 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, numbered in order")
     compile_cmd.add_argument("--db", metavar="DIR", help="a tuning database (`tightfit tune --db DIR`) whose records "
                              "schedule the kernels they match")
+    _add_knobs_option(compile_cmd)
     compile_cmd.set_defaults(handler=_compile)
 
     run_cmd = commands.add_parser("run", parents=[common], help="run a model (.onnx or .tfpkg) on the host")
@@ -63,6 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run_cmd.add_argument("--save-outputs", metavar="NPZ", help="write the outputs to a .npz file")
     run_cmd.add_argument("--profile", action="store_true",
                          help="time each kernel on this run's arguments and show where the time goes")
+    _add_knobs_option(run_cmd)
     _add_rpc_options(run_cmd)
     run_cmd.set_defaults(handler=_run)
 
@@ -86,6 +88,20 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--out", metavar="DIR", default="bench/results", help="where bench.json and bench.md go")
     _add_rpc_options(bench_cmd)
     bench_cmd.set_defaults(handler=_bench)
+
+    search_cmd = commands.add_parser("search", parents=[common],
+                                     help="time each conv's candidate algorithms on the target and keep the "
+                                          "times in a knob database, which `compile --knobs` chooses by")
+    search_cmd.add_argument("model", help="the ONNX file")
+    search_cmd.add_argument("--target", default="host",
+                            help="'host', a device preset, a device .json file, or a TVM target as JSON")
+    search_cmd.add_argument("--shapes", metavar="SPEC", default="",
+                            help="the input shapes to time at, e.g. 'x=1,3,64,64' or 'ids=2,16;mask=2,16' "
+                                 "(needed where inputs have dynamic dims; the model stays dynamic)")
+    search_cmd.add_argument("--knobs", metavar="FILE", required=True,
+                            help="the knob database (JSON) to update (created if missing)")
+    _add_rpc_options(search_cmd)
+    search_cmd.set_defaults(handler=_search)
 
     tune_cmd = commands.add_parser("tune", parents=[common],
                                    help="tune a model's kernels on a device over RPC (MetaSchedule; resumable)")
@@ -144,6 +160,12 @@ def _add_target_options(command: argparse.ArgumentParser) -> None:
                          help="fix or name an input's dims, e.g. x=1,3,H,W (repeatable)")
 
 
+def _add_knobs_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--knobs", metavar="FILE",
+                         help="a knob database (`tightfit search --knobs FILE`): convs take the algorithm "
+                              "measured fastest there (default: $TIGHTFIT_KNOB_DATABASE, else the cost model)")
+
+
 def _add_rpc_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--rpc-tracker", metavar="HOST:PORT", help="run on a device through this RPC tracker")
     command.add_argument("--rpc-key", metavar="KEY", help="the device key at the tracker (with --rpc-tracker)")
@@ -181,15 +203,15 @@ def _compile(args) -> int:
 
     target = resolve_target(args.target)
     output = Path(args.output) if args.output else Path(args.model).with_suffix(".tfpkg")
-    with tqdm(total=len(passes(target, PipelineOptions(tuning_database=args.db))) + 1, desc="compile", unit="pass",
+    options = PipelineOptions(tuning_database=args.db, knob_database=args.knobs)
+    with tqdm(total=len(passes(target, options)) + 1, desc="compile", unit="pass",
               file=sys.stderr, disable=None) as progress:
         def advance(name: str) -> None:
             progress.set_postfix_str(name)
             progress.update(1)
 
         package = tightfit_compile(args.model, target, input_shapes=_shape_options(args),
-                                   options=PipelineOptions(tuning_database=args.db),
-                                   dump_ir=args.dump_ir, on_pass=advance)
+                                   options=options, dump_ir=args.dump_ir, on_pass=advance)
     package.save(output)
     weight_file = package.report["weight_file"]
     storages = package.report["activation_storages"]
@@ -215,7 +237,10 @@ def _run(args) -> int:
         package = load(model_path)
         reference = args.reference or package.source.path
     else:
-        package = tightfit_compile(model_path, args.target, input_shapes=_shape_options(args))
+        from .pipeline import PipelineOptions
+
+        package = tightfit_compile(model_path, args.target, input_shapes=_shape_options(args),
+                                   options=PipelineOptions(knob_database=args.knobs))
         reference = args.reference or model_path
     if args.inputs:
         feeds = load_npz(args.inputs)
@@ -366,6 +391,38 @@ def _bench_remote(args) -> int:
     _emit(args, data, f"{args.rpc_key} ({package.target['name']}), session opened in "
                       f"{session.remote.open_seconds:.2f} s; median of {args.repeat} runs timed on the device\n"
                       + format_table(rows))
+    return 0
+
+
+def _search(args) -> int:
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from .algorithm_search import search_conv_algorithms, timing_table
+    from .errors import InputError
+    from .feeds import concrete_shapes, parse_shape_option
+    from .frontend import declared_inputs, load_onnx
+
+    if bool(args.rpc_tracker) != bool(args.rpc_key):
+        raise InputError("--rpc-tracker HOST:PORT and --rpc-key KEY go together (`tightfit devices "
+                         "--rpc-tracker HOST:PORT` lists the keys)")
+    given = dict(parse_shape_option(text) for text in filter(None, args.shapes.split(";")))
+    shapes = concrete_shapes(declared_inputs(load_onnx(args.model).graph), given, option="--shapes")
+    remote = (args.rpc_tracker, args.rpc_key) if args.rpc_tracker else None
+    with tqdm(desc="search", unit="candidate", file=sys.stderr, disable=None) as bar:
+        def progress(note: str) -> None:
+            bar.set_postfix_str(note)
+            bar.update(1)
+
+        timings = search_conv_algorithms(args.model, shapes, args.knobs, args.target, remote, progress)
+    changed = [t for t in timings if t.measured_choice and t.measured_choice != t.estimated_choice]
+    data = {"knobs": args.knobs, "convs": [asdict(t) | {"estimated_choice": t.estimated_choice,
+                                                         "measured_choice": t.measured_choice}
+                                           for t in timings]}
+    _emit(args, data, timing_table(timings) + f"\n\n{len(timings)} conv shape(s) timed, {len(changed)} "
+                      f"choice(s) differ from the cost model's; recorded in {args.knobs}: compile with "
+                      f"`tightfit compile {args.model} --target {args.target} --knobs {args.knobs}`")
     return 0
 
 

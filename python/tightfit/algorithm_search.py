@@ -1,0 +1,195 @@
+"""Each conv's candidate algorithms timed on the target, for SelectConvAlgorithm to choose by.
+
+MNN §3.1 ("pre-inference"): each conv's algorithm is chosen before the first run, by a cost
+whose back-end terms are measured on the device. tightfit's cost model (schedules/conv_cost.py)
+was fitted on one x86 host, so on another machine, a phone above all, its choice is a guess;
+this search replaces the guess by measurement, for one model at the input shapes given:
+1. The model is imported and run through the pipeline up to RDP, and every conv that
+   SelectConvAlgorithm chooses for is found (`convs_to_choose`), with its input shape at those
+   inputs (RDP's expressions evaluated) and its candidates (`ConvCosting`: the ones the pass
+   weighs, with the model's estimates). Convs with one key (ConvShape.measurement_key) are
+   timed once.
+2. Each is cut out as a one-node ONNX model with random weights, its input dims symbolic where
+   the model's are (a symbolic plane slows some kernels: conv_cost's
+   WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN), and compiled once per candidate
+   (PipelineOptions.conv_algorithms), with the knob database's tiles.
+3. Each package is timed whole on the target (Session.time_run: the VM's timer, on this machine
+   or on a device over RPC), so a candidate's extra kernels and their launches count.
+4. The times go to the knob database under the conv's key; a candidate that fails to compile or
+   run is recorded as failed and is never chosen. SelectConvAlgorithm then ranks the measured
+   candidates by time (conv_cost.with_measurements), its workspace limit still applying.
+Limits: a conv whose input dims depend on values known only at run time (after NonZero) is not
+timed and keeps the model's choice; a symbolic dim is timed at the given extent only; a conv is
+timed alone, without its epilogue and with its input in cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax, tirx
+
+from .errors import CompilationError
+from .frontend import import_onnx
+from .passes.select_conv_algorithm import ConvCosting, convs_to_choose
+from .pipeline import PipelineOptions, run_pipeline
+from .schedules.knob_database import KnobDatabase
+from .schedules.knob_search import symbol_values
+from .target import resolve_target
+
+# each candidate's time: the median of TIMING_ROUNDS turns of at least TIMING_MIN_REPEAT_MS each
+TIMING_ROUNDS = 9
+TIMING_MIN_REPEAT_MS = 10
+
+
+@dataclass
+class ConvTiming:
+    """One conv key's candidates: the model's estimates and the times measured on the target."""
+
+    key: str
+    input_shape: tuple[int, ...]  # the concrete input it was timed at
+    convs: int  # convs of the model that share the key
+    estimated_us: dict[str, float]
+    measured_us: dict[str, float | None] = field(default_factory=dict)  # None: failed there
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def estimated_choice(self) -> str:
+        return min(self.estimated_us, key=self.estimated_us.get)
+
+    @property
+    def measured_choice(self) -> str | None:
+        timed = {name: us for name, us in self.measured_us.items() if us is not None}
+        return min(timed, key=timed.get) if timed else None
+
+
+def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_path: str | Path,
+                           target="host", remote: tuple[str, str] | None = None,
+                           progress: Callable[[str], None] = lambda note: None) -> list[ConvTiming]:
+    """Time the candidates of every conv of `model` (an ONNX path or proto) at `shapes` on
+    `target`, on this machine or, with `remote` = (tracker HOST:PORT, key), on a device over
+    RPC, and record them in the knob database at `database_path`. `progress` hears each
+    candidate as it is timed."""
+    compile_target = resolve_target(target)
+    imported = import_onnx(model)
+    database = KnobDatabase.open(database_path, compile_target.tvm_target)
+    mod, _ = run_pipeline(imported.mod, compile_target,
+                          PipelineOptions(knob_database=str(database_path)),
+                          stop_after="tightfit.RankDimensionPropagation")
+    extents = symbol_values(mod, shapes)
+    timings: dict[str, tuple[ConvTiming, relax.Call]] = {}
+    with compile_target.tvm_target:
+        costing = ConvCosting(mod["main"], database)
+        for call in convs_to_choose(mod["main"]):
+            candidates = costing.estimates(call)
+            input_shape = _concrete(call.args[0].ty.shape.values, extents)
+            if input_shape is None or len(candidates) < 2:  # nothing to time, or nothing to choose
+                continue
+            key = costing.shape(call).measurement_key
+            if key in timings:
+                timings[key][0].convs += 1
+                continue
+            estimated = {c.name: round(c.seconds * 1e6, 3) for c in candidates}
+            timings[key] = (ConvTiming(key, input_shape, 1, estimated), call)
+    for timing, call in timings.values():
+        conv_model, feeds = cut_out_conv(call, timing.input_shape)
+        sessions = {}
+        for algorithm in timing.estimated_us:
+            progress(f"{timing.key}: {algorithm}")
+            try:
+                sessions[algorithm] = _candidate_session(conv_model, algorithm, compile_target,
+                                                         database_path, remote)
+            except CompilationError as err:
+                timing.errors[algorithm] = str(err)
+        seconds = _interleaved_seconds(sessions, feeds)
+        timing.measured_us = {name: seconds[name] * 1e6 if name in seconds else None
+                              for name in timing.estimated_us}
+        database.record_conv_times(timing.key, timing.measured_us,
+                                   "x".join(map(str, timing.input_shape)))
+        if database.path is not None:
+            database.save()  # after every conv: an interrupted search keeps what it measured
+    return [timing for timing, _ in timings.values()]
+
+
+def cut_out_conv(call: relax.Call, input_shape: tuple[int, ...]) -> tuple[onnx.ModelProto, dict]:
+    """A one-node ONNX model of the conv2d or conv1d `call` with random weights, its input dims
+    symbolic where the call's are, and random feeds of `input_shape`."""
+    attrs = call.attrs
+
+    def declared(dims, prefix: str) -> list[int | str]:
+        return [int(d) if isinstance(d, tirx.IntImm) else f"{prefix}{axis}"
+                for axis, d in enumerate(dims)]
+
+    weight_shape = [int(d) for d in call.args[1].ty.shape.values]
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal(weight_shape) / np.sqrt(np.prod(weight_shape[1:]))).astype(np.float32)
+    node = helper.make_node(
+        "Conv", ["x", "w"], ["y"], kernel_shape=weight_shape[2:],
+        strides=[int(s) for s in attrs.strides], dilations=[int(d) for d in attrs.dilation],
+        pads=[int(p) for p in attrs.padding], group=int(attrs.groups))
+    graph = helper.make_graph(
+        [node], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                       declared(call.args[0].ty.shape.values, "in"))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, declared(call.ty.shape.values, "out"))],
+        [numpy_helper.from_array(weight, "w")])
+    conv_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return conv_model, {"x": rng.standard_normal(input_shape).astype(np.float32)}
+
+
+def _candidate_session(conv_model: onnx.ModelProto, algorithm: str, target, database_path,
+                       remote: tuple[str, str] | None):
+    """A session running `conv_model` compiled with `algorithm`, on this machine or the device."""
+    from .api import compile as tightfit_compile
+
+    package = tightfit_compile(conv_model, target, options=PipelineOptions(
+        conv_algorithms=(algorithm,), knob_database=str(database_path)))
+    return package.remote_session(*remote) if remote is not None else package.session()
+
+
+def _interleaved_seconds(sessions: dict, feeds: dict) -> dict[str, float]:
+    """Median seconds of a whole run of each session, the sessions taking turns in
+    TIMING_ROUNDS rounds (each turn TIMING_MIN_REPEAT_MS of runs) so that the machine's drift
+    hits all alike: timed one after another, a 3x3 conv's two fastest kernels swapped places
+    between two searches on this host."""
+    samples: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(TIMING_ROUNDS):
+        for name, session in sessions.items():
+            samples[name] += session.time_run(feeds, repeat=1, min_repeat_ms=TIMING_MIN_REPEAT_MS)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _concrete(dims, extents: dict[str, int]) -> tuple[int, ...] | None:
+    """`dims` evaluated with the symbols at `extents`; None if one depends on anything else."""
+    analyzer = tvm.sym.Analyzer()
+    values = []
+    for dim in dims:
+        for var in tirx.analysis.undefined_vars(dim):
+            if var.name not in extents:
+                return None
+            analyzer.bind(var, tirx.const(extents[var.name], var.ty.dtype))
+        value = analyzer.simplify(dim)
+        if not isinstance(value, tirx.IntImm):
+            return None
+        values.append(int(value.value))
+    return tuple(values)
+
+
+def timing_table(timings: list[ConvTiming]) -> str:
+    """A Markdown table: each conv key's measured candidates and the two choices (the cost
+    model's estimates, at the pass's typical extents, are in the JSON report)."""
+    lines = ["| conv | timed at | convs | measured us | cost model's choice | measured choice |",
+             "|---|---|---|---|---|---|"]
+    for timing in timings:
+        cells = ", ".join(f"{name} " + ("failed" if us is None else f"{us:.1f}")
+                          for name, us in timing.measured_us.items())
+        lines.append(f"| {timing.key} | {'x'.join(map(str, timing.input_shape))} | {timing.convs} | "
+                     f"{cells} | {timing.estimated_choice} | {timing.measured_choice or '-'} |")
+    return "\n".join(lines)
