@@ -71,12 +71,12 @@ class ConvTiming:
 
 
 def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_path: str | Path,
-                           target="host", remote: tuple[str, str] | None = None,
+                           target="host", remote=None,
                            progress: Callable[[str], None] = lambda note: None) -> list[ConvTiming]:
     """Time the candidates of every conv of `model` (an ONNX path or proto) at `shapes` on
-    `target`, on this machine or, with `remote` = (tracker HOST:PORT, key), on a device over
-    RPC, and record them in the knob database at `database_path`. `progress` hears each
-    candidate as it is timed."""
+    `target`, on this machine or, with `remote` (a connection from `device_rpc.remote.connect`),
+    on that device, and record them in the knob database at `database_path`. `progress` hears
+    each candidate as it is compiled."""
     compile_target = resolve_target(target)
     imported = import_onnx(model)
     database = KnobDatabase.open(database_path, compile_target.tvm_target)
@@ -144,14 +144,13 @@ def cut_out_conv(call: relax.Call, input_shape: tuple[int, ...]) -> tuple[onnx.M
     return conv_model, {"x": rng.standard_normal(input_shape).astype(np.float32)}
 
 
-def _candidate_session(conv_model: onnx.ModelProto, algorithm: str, target, database_path,
-                       remote: tuple[str, str] | None):
+def _candidate_session(conv_model: onnx.ModelProto, algorithm: str, target, database_path, remote):
     """A session running `conv_model` compiled with `algorithm`, on this machine or the device."""
     from .api import compile as tightfit_compile
 
     package = tightfit_compile(conv_model, target, options=PipelineOptions(
         conv_algorithms=(algorithm,), knob_database=str(database_path)))
-    return package.remote_session(*remote) if remote is not None else package.session()
+    return package.session_on(remote) if remote is not None else package.session()
 
 
 def _interleaved_seconds(sessions: dict, feeds: dict) -> dict[str, float]:

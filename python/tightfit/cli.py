@@ -409,7 +409,13 @@ def _search(args) -> int:
                          "--rpc-tracker HOST:PORT` lists the keys)")
     given = dict(parse_shape_option(text) for text in filter(None, args.shapes.split(";")))
     shapes = concrete_shapes(declared_inputs(load_onnx(args.model).graph), given, option="--shapes")
-    remote = (args.rpc_tracker, args.rpc_key) if args.rpc_tracker else None
+    remote = None
+    if args.rpc_tracker:
+        from .device_rpc import remote as rpc
+        from .device_rpc.tracker import TrackerAddress
+
+        print(f"opening a session on {args.rpc_key!r} via {args.rpc_tracker} ...", file=sys.stderr, flush=True)
+        remote = rpc.connect(TrackerAddress.parse(args.rpc_tracker), args.rpc_key, args.session_timeout)
     with tqdm(desc="search", unit="candidate", file=sys.stderr, disable=None) as bar:
         def progress(note: str) -> None:
             bar.set_postfix_str(note)

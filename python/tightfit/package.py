@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -101,11 +102,20 @@ class Package:
         the library is uploaded, the weights copied to the device once."""
         from .device_rpc import remote
         from .device_rpc.tracker import TrackerAddress
+
+        return self.session_on(remote.connect(TrackerAddress.parse(tracker), key, session_timeout_s))
+
+    def session_on(self, device) -> "Session":  # noqa: F821
+        """A session on an open connection to a device (`device_rpc.remote.connect`), which
+        several packages may share: a device serves one RPC session at a time, so a second
+        connection would wait for the first to close. The library is uploaded under a name of
+        its own (the device loads a path once, and another package's library must not
+        overwrite a loaded one)."""
         from .session import Session
 
-        device = remote.connect(TrackerAddress.parse(tracker), key, session_timeout_s)
         with tempfile.TemporaryDirectory(prefix="tightfit-upload-") as folder:
-            module = device.load_library(self.export_library(Path(folder) / LIBRARY))
+            library = Path(folder) / f"{Path(LIBRARY).stem}-{uuid.uuid4().hex[:12]}.so"
+            module = device.load_library(self.export_library(library))
         return Session(self, device=device.device, executable=module, remote=device)
 
     def save(self, path: str | Path) -> Path:

@@ -16,11 +16,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
+from tightfit.cli import main
 from tightfit.device_rpc import emulated
 from tightfit.device_rpc.tracker import devices_under
 from tightfit.device_rpc.tuning import recorded_trials
 from tightfit.errors import DeviceError, TargetError
 from tightfit.feeds import max_abs_error, run_onnxruntime
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import run_pipeline
+from tightfit.target import resolve_target
 from tightfit.testing import zoo
 
 pytestmark = pytest.mark.slow
@@ -141,6 +145,41 @@ def test_channel_vector_pointwise_conv_compiled_for_arm64_runs_on_the_emulated_d
         assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
+def test_conv_algorithms_timed_on_the_emulated_device_decide_the_arm64_build(tracker, arm64_device,
+                                                                             tmp_path, capsys):
+    """`tightfit search` over RPC: every candidate of a strided conv compiled for Arm64, timed
+    on the device in one RPC session, recorded under the Arm64 target; the Arm64 build then
+    runs the candidate measured fastest there, and matches onnxruntime on the device."""
+    rng = np.random.default_rng(7)
+    weight = numpy_helper.from_array((rng.standard_normal((16, 8, 3, 3)) * 0.2).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4, strides=[2, 2])],
+        "strided_conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, None, None])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model_path, knobs = tmp_path / "conv.onnx", tmp_path / "knobs.json"
+    onnx.save(model, str(model_path))
+    assert main(["search", str(model_path), "--target", "emulated-arm64", "--shapes", "x=1,8,24,20",
+                 "--knobs", str(knobs), "--rpc-tracker", str(tracker), "--rpc-key", arm64_device,
+                 "--json"]) == 0
+    (conv,) = json.loads(capsys.readouterr().out)["convs"]
+    assert set(conv["measured_us"]) == {"direct", "width_vectors", "im2col"}
+    assert all(us > 0 for us in conv["measured_us"].values())
+    (target_key,) = json.loads(knobs.read_text())["targets"]
+    assert "aarch64" in target_key
+    options = tightfit.PipelineOptions(knob_database=str(knobs))
+    chosen, _ = run_pipeline(import_onnx(model).mod, resolve_target("emulated-arm64"), options,
+                             stop_after="tightfit.SelectConvAlgorithm")
+    (algorithm,) = [str(func.attrs["tightfit.algorithm"]) for func in chosen.functions.values()
+                    if func.attrs is not None and "tightfit.algorithm" in func.attrs
+                    and "tightfit.conv_key" in func.attrs]
+    assert algorithm == conv["measured_choice"]
+    session = tightfit.compile(model, "emulated-arm64", options=options).remote_session(
+        str(tracker), arm64_device)
+    feeds = {"x": rng.standard_normal((1, 8, 15, 21)).astype(np.float32)}
+    assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
+
+
 def _tune_command(model_path, tracker, database, trials):
     return [sys.executable, "-m", "tightfit.cli", "tune", str(model_path), "--target", "emulated-arm64",
             "--shape", "x=8,8", "--rpc-tracker", str(tracker), "--rpc-key", KEY, "--trials", str(trials),
@@ -189,8 +228,6 @@ def test_tuning_killed_with_its_device_resumes_without_losing_records(tracker, a
 
 
 def test_starting_a_second_device_under_the_key_keeps_the_first(tracker, arm64_device, tmp_path, mlp_path, capsys):
-    from tightfit.cli import main
-
     first = emulated.running(KEY)
     assert main(["device", "emulate", "--key", KEY, "--rpc-tracker", str(tracker), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["devices_under_key"] == len(first) + 1
