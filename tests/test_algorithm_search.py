@@ -11,7 +11,14 @@ from tightfit.cli import main
 from tightfit.feeds import max_abs_error, run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
-from tightfit.schedules.conv_cost import ConvShape, Rates, candidate_costs, choose, with_measurements
+from tightfit.schedules.conv_cost import (
+    MEASURED_MARGIN,
+    ConvShape,
+    Rates,
+    candidate_costs,
+    choose,
+    with_measurements,
+)
 from tightfit.schedules.isa import AVX512
 from tightfit.target import resolve_target
 from tvm import tirx
@@ -76,6 +83,17 @@ def test_measured_times_outrank_the_estimates_within_the_workspace_limit():
     assert choose(candidates, im2col.workspace_bytes - 1).name == "width_vectors"
     assert with_measurements(estimates, None) == estimates
     assert with_measurements(estimates, {"winograd_f4": None}) == estimates
+
+
+def test_a_measured_near_tie_keeps_the_cost_models_pick():
+    """Within MEASURED_MARGIN the model's pick stays: a conv timed alone in cache is not the
+    conv inside a model, and near-ties are noise."""
+    shape = ConvShape(1, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1)
+    estimates = candidate_costs(shape, AVX512, Rates.for_target(AVX512, 2, None))
+    close = {"winograd_f4": 100.0, "direct": 100.0 / (1 + MEASURED_MARGIN / 2)}
+    assert choose(with_measurements(estimates, close), None).name == "winograd_f4"
+    clear = {"winograd_f4": 100.0, "direct": 100.0 / (1 + 2 * MEASURED_MARGIN)}
+    assert choose(with_measurements(estimates, clear), None).name == "direct"
 
 
 def test_search_times_each_conv_shape_once_and_compile_chooses_by_the_times(tmp_path):

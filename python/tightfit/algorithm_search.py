@@ -40,6 +40,7 @@ from .errors import CompilationError
 from .frontend import import_onnx
 from .passes.select_conv_algorithm import ConvCosting, convs_to_choose
 from .pipeline import PipelineOptions, run_pipeline
+from .schedules.conv_cost import Candidate, choose, with_measurements
 from .schedules.knob_database import KnobDatabase
 from .schedules.knob_search import symbol_values
 from .target import resolve_target
@@ -56,18 +57,11 @@ class ConvTiming:
     key: str
     input_shape: tuple[int, ...]  # the concrete input it was timed at
     convs: int  # convs of the model that share the key
-    estimated_us: dict[str, float]
+    estimated_us: dict[str, float]  # at the pass's typical extents
+    estimated_choice: str  # the cost model's
     measured_us: dict[str, float | None] = field(default_factory=dict)  # None: failed there
+    measured_choice: str | None = None  # SelectConvAlgorithm's, given the times (no budget)
     errors: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def estimated_choice(self) -> str:
-        return min(self.estimated_us, key=self.estimated_us.get)
-
-    @property
-    def measured_choice(self) -> str | None:
-        timed = {name: us for name, us in self.measured_us.items() if us is not None}
-        return min(timed, key=timed.get) if timed else None
 
 
 def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_path: str | Path,
@@ -84,7 +78,7 @@ def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_p
                           PipelineOptions(knob_database=str(database_path)),
                           stop_after="tightfit.RankDimensionPropagation")
     extents = symbol_values(mod, shapes)
-    timings: dict[str, tuple[ConvTiming, relax.Call]] = {}
+    timings: dict[str, tuple[ConvTiming, list[Candidate], relax.Call]] = {}
     with compile_target.tvm_target:
         costing = ConvCosting(mod["main"], database)
         for call in convs_to_choose(mod["main"]):
@@ -97,8 +91,9 @@ def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_p
                 timings[key][0].convs += 1
                 continue
             estimated = {c.name: round(c.seconds * 1e6, 3) for c in candidates}
-            timings[key] = (ConvTiming(key, input_shape, 1, estimated), call)
-    for timing, call in timings.values():
+            timings[key] = (ConvTiming(key, input_shape, 1, estimated, choose(candidates, None).name),
+                            candidates, call)
+    for timing, candidates, call in timings.values():
         conv_model, feeds = cut_out_conv(call, timing.input_shape)
         sessions = {}
         for algorithm in timing.estimated_us:
@@ -111,11 +106,12 @@ def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_p
         seconds = _interleaved_seconds(sessions, feeds)
         timing.measured_us = {name: seconds[name] * 1e6 if name in seconds else None
                               for name in timing.estimated_us}
+        timing.measured_choice = choose(with_measurements(candidates, timing.measured_us), None).name
         database.record_conv_times(timing.key, timing.measured_us,
                                    "x".join(map(str, timing.input_shape)))
         if database.path is not None:
             database.save()  # after every conv: an interrupted search keeps what it measured
-    return [timing for timing, _ in timings.values()]
+    return [timing for timing, _, _ in timings.values()]
 
 
 def cut_out_conv(call: relax.Call, input_shape: tuple[int, ...]) -> tuple[onnx.ModelProto, dict]:

@@ -422,10 +422,8 @@ def _search(args) -> int:
             bar.update(1)
 
         timings = search_conv_algorithms(args.model, shapes, args.knobs, args.target, remote, progress)
-    changed = [t for t in timings if t.measured_choice and t.measured_choice != t.estimated_choice]
-    data = {"knobs": args.knobs, "convs": [asdict(t) | {"estimated_choice": t.estimated_choice,
-                                                         "measured_choice": t.measured_choice}
-                                           for t in timings]}
+    changed = [t for t in timings if t.measured_choice != t.estimated_choice]
+    data = {"knobs": args.knobs, "convs": [asdict(t) for t in timings]}
     _emit(args, data, timing_table(timings) + f"\n\n{len(timings)} conv shape(s) timed, {len(changed)} "
                       f"choice(s) differ from the cost model's; recorded in {args.knobs}: compile with "
                       f"`tightfit compile {args.model} --target {args.target} --knobs {args.knobs}`")
