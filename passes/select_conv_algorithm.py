@@ -210,7 +210,7 @@ class _ConvRewriter(relax.PyExprMutator):
         return emit_kernel(self.builder_, conv2d.conv2d_direct, [data, packed], "conv2d_direct",
                            record, name, out_channels=out_channels, strides=strides,
                            padding=padding, dilation=dilation, rows=knobs.rows,
-                           vectors=knobs.vectors)
+                           vectors=knobs.vectors, reduction_unroll=knobs.reduction_unroll)
 
     def _emit_im2col(self, call, data, weight, record, costs, name, source_weight):
         """The unfolded input as its own kernel, then the pointwise width-vectors GEMM over it
@@ -256,7 +256,8 @@ class _ConvRewriter(relax.PyExprMutator):
         products = emit_kernel(self.builder_, gemm.dense_packed, [tiles, transformed],
                                "dense_packed", {"tightfit.algorithm": gemm.DENSE},
                                f"{name}_winograd_gemm", out_features=out_channels,
-                               rows=knobs.rows, vectors=knobs.vectors)
+                               rows=knobs.rows, vectors=knobs.vectors,
+                               reduction_unroll=knobs.reduction_unroll)
         return emit_kernel(self.builder_, winograd.winograd_output, [products], "winograd_output",
                            record, name, out_shape=list(call.ty.shape.values), tile=tile)
 

@@ -62,11 +62,13 @@ class _MatmulRewriter(relax.PyExprMutator):
                                            panel_width=knobs.vectors * self.isa.lanes)
             new_var = emit_kernel(self.builder_, gemm.dense_packed, [lhs, packed], "dense_packed",
                                   record, binding.var.name, out_features=int(columns),
-                                  rows=knobs.rows, vectors=knobs.vectors)
+                                  rows=knobs.rows, vectors=knobs.vectors,
+                                  reduction_unroll=knobs.reduction_unroll)
         else:
             new_var = emit_kernel(self.builder_, gemm.matmul_packed_rhs, [lhs, rhs],
                                   "matmul_packed_rhs", record, binding.var.name, rows=knobs.rows,
-                                  vectors=knobs.vectors, lanes=self.isa.lanes)
+                                  vectors=knobs.vectors, lanes=self.isa.lanes,
+                                  reduction_unroll=knobs.reduction_unroll)
         self.set_var_remap(binding.var, new_var)
 
 

@@ -48,6 +48,7 @@ from .register_tile import (
     KERNEL_ANNOTATION,
     MAX_ROWS,
     OUTPUT_ROW_AXIS_ANNOTATION,
+    REDUCTION_UNROLL_ANNOTATION,
     ROW_TILES,
     ROW_TILES_OUTER_MAX_WEIGHT_BYTES,
     ROWS_ANNOTATION,
@@ -136,7 +137,7 @@ def pack_im2col_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
 
 
 def conv2d_direct(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, strides, padding,
-                  dilation, rows: int, vectors: int) -> te.Tensor:
+                  dilation, rows: int, vectors: int, reduction_unroll: int = 1) -> te.Tensor:
     """NCHW conv as register tiles over (batch, out row, out col; out channel).
 
     `padding` is (top, left, bottom, right). The tiles' width domain is max(OW, rows) so that a
@@ -176,7 +177,8 @@ def conv2d_direct(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, 
     tiles = te.compute((batch, out_h, tile_w, panels * panel_width), tile_value,
                        name="conv2d_tiles",
                        attrs={KERNEL_ANNOTATION: DIRECT, ROWS_ANNOTATION: rows,
-                              VECTORS_ANNOTATION: vectors, OUTPUT_ROW_AXIS_ANNOTATION: 3})
+                              VECTORS_ANNOTATION: vectors, OUTPUT_ROW_AXIS_ANNOTATION: 3,
+                              REDUCTION_UNROLL_ANNOTATION: reduction_unroll})
     return te.compute((batch, out_channels, out_h, out_w), lambda n, o, h, w: tiles[n, h, w, o],
                       name="conv2d_out")
 

@@ -18,6 +18,7 @@ from tvm import te, tirx
 from .register_tile import (
     KERNEL_ANNOTATION,
     OUTPUT_ROW_AXIS_ANNOTATION,
+    REDUCTION_UNROLL_ANNOTATION,
     ROWS_ANNOTATION,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
@@ -44,7 +45,7 @@ def pack_dense_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
 
 
 def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, rows: int,
-                 vectors: int) -> te.Tensor:
+                 vectors: int, reduction_unroll: int = 1) -> te.Tensor:
     """A[*batch, M, K] x packed W: [panels, K, NB] shared by the batch, or [*lead, panels, K,
     NB], a weight per entry of the leading batch axes (Winograd's transform points,
     winograd.py)."""
@@ -61,11 +62,12 @@ def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, r
     # one entry of the leading batch axes' weight: whether it stays in L2 while the row tiles
     # re-read it decides the loop order
     return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, out_features,
-                          DENSE, rows, vectors, {WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 3)})
+                          DENSE, rows, vectors, reduction_unroll,
+                          {WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 3)})
 
 
 def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
-                      lanes: int) -> te.Tensor:
+                      lanes: int, reduction_unroll: int = 1) -> te.Tensor:
     *batch, row_extent, reduction = lhs.shape
     columns = rhs.shape[-1]
     panel_width = vectors * lanes
@@ -87,14 +89,15 @@ def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
                       axis=k)
 
     return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, columns, MATMUL,
-                          rows, vectors)
+                          rows, vectors, reduction_unroll)
 
 
 def _tiles_and_out(tile_value, batch, row_extent, padded_columns, columns, kind: str, rows: int,
-                   vectors: int, annotations: dict | None = None) -> te.Tensor:
+                   vectors: int, reduction_unroll: int, annotations: dict | None = None) -> te.Tensor:
     tiles = te.compute((*batch, tile_domain(row_extent, rows), padded_columns), tile_value,
                        name=f"{kind}_tiles",
                        attrs={KERNEL_ANNOTATION: kind, ROWS_ANNOTATION: rows,
                               VECTORS_ANNOTATION: vectors,
+                              REDUCTION_UNROLL_ANNOTATION: reduction_unroll,
                               OUTPUT_ROW_AXIS_ANNOTATION: len(batch), **(annotations or {})})
     return te.compute((*batch, row_extent, columns), lambda *index: tiles[index], name=f"{kind}_out")

@@ -46,6 +46,8 @@ from .tail_tiles import restrict_loop, shift_tail_tile
 KERNEL_ANNOTATION = "tightfit.kernel"
 ROWS_ANNOTATION = "tightfit.rows"
 VECTORS_ANNOTATION = "tightfit.vectors"
+# the innermost reduction loop unrolled by this factor (TileKnobs.reduction_unroll)
+REDUCTION_UNROLL_ANNOTATION = "tightfit.reduction_unroll"
 # Which axis of the out block's buffer holds the row extent M (the tiles' row axis).
 OUTPUT_ROW_AXIS_ANNOTATION = "tightfit.output_row_axis"
 # Blocks a kernel wants materialized (packing stages), never inlined by the epilogue inliner.

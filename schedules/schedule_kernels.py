@@ -30,6 +30,7 @@ from .isa import VectorISA, isa_for_target
 from .knob_database import KnobDatabase
 from .register_tile import (
     KERNEL_ANNOTATION,
+    REDUCTION_UNROLL_ANNOTATION,
     ROWS_ANNOTATION,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
@@ -96,7 +97,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
             conv2d.flatten_output_pixels(sch, out_block)
         if kind in REGISTER_TILE_KERNELS:
             knobs = TileKnobs(rows, int(annotations[VECTORS_ANNOTATION]),
-                              int(annotations.get("tightfit.reduction_unroll", 1)))
+                              int(annotations.get(REDUCTION_UNROLL_ANNOTATION, 1)))
             rewrites = schedule_register_tiles(sch, tiles, out_block, row_extent, out_row_axis,
                                                knobs, isa, version, parallel)
         elif kind == conv2d.WIDTH_VECTORS:

@@ -11,8 +11,11 @@ from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
+from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.schedules.knob_search import candidate_knobs, search
+from tightfit.schedules.register_tile import TileKnobs
 from tightfit.target import resolve_target
+from tvm import tirx
 
 
 def test_search_records_the_fastest_candidate_and_compiles_use_it(tmp_path):
@@ -43,3 +46,26 @@ def test_candidates_fit_the_register_budget_and_the_columns():
     assert candidates and all(isa.fits_registers(c.rows, c.vectors) for c in candidates)
     assert {c.vectors for c in candidates} == {1, 2}
     assert {c.reduction_unroll for c in candidates} == {1, 4}
+
+
+def test_a_recorded_reduction_unroll_reaches_the_kernel(tmp_path):
+    """The database's unroll knob splits and unrolls the innermost reduction loop (before it
+    was measured by the search but never passed to the kernels)."""
+    model = dense_model(40)
+    target = resolve_target("host")
+    isa = isa_for_target(target.tvm_target)
+    scripts = {}
+    for unroll in (1, 4):
+        database = KnobDatabase.open(tmp_path / f"unroll{unroll}.json", target.tvm_target)
+        database.record_tiles("dense_packed", 40, tirx.Var("m", "int64"), isa,
+                              TileKnobs(8, 1, unroll), 1.0, "x=37x24")
+        database.save()
+        options = PipelineOptions(knob_database=str(database.path))
+        scheduled, _ = run_pipeline(import_onnx(model).mod, target, options,
+                                    stop_after="tightfit.FallbackCPUSchedule")
+        scripts[unroll] = scheduled.script()
+        feeds = {"x": np.random.default_rng(1).standard_normal((37, 24)).astype(np.float32)}
+        ours = tightfit.compile(model, options=options).session().run(feeds)
+        np.testing.assert_allclose(ours["y"], run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+    assert '"tightfit.reduction_unroll": 4' in scripts[4]
+    assert scripts[4].count("T.unroll") > scripts[1].count("T.unroll")
