@@ -69,6 +69,8 @@ DEPTHWISE = "conv2d_depthwise"
 CHANNEL_ROWS_ANNOTATION = "tightfit.channel_rows"
 # On a tiles block whose row axis is the flattened H x W pixels of each image (pointwise convs).
 FLAT_PIXELS_ANNOTATION = "tightfit.flat_pixels"
+# A width-vectors conv's groups (its channel rows must divide a group's output channels).
+GROUPS_ANNOTATION = "tightfit.groups"
 # Output rows of a depthwise tile: neighbouring rows share the loads of their common input
 # rows, and each row is an independent chain of multiply-adds (a 3x3 tap sum is nine
 # dependent FMAs). With symbolic widths the column-tile loop stays rolled, so the chains in
@@ -222,7 +224,7 @@ def conv2d_width_vectors(data: te.Tensor, packed_weight: te.Tensor, out_channels
     tile_columns = vectors * lanes
     attrs = {KERNEL_ANNOTATION: WIDTH_VECTORS, ROWS_ANNOTATION: tile_columns,
              VECTORS_ANNOTATION: vectors, CHANNEL_ROWS_ANNOTATION: channel_rows,
-             WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 5)}
+             GROUPS_ANNOTATION: groups, WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 5)}
     rc = te.reduce_axis((0, group_channels), "rc")
 
     def input_channel(o):

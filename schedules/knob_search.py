@@ -3,23 +3,29 @@
 MNN's semi-automatic search (MNN §3.2: hand-written kernels whose few parameters are chosen by
 measuring on the device, between fixed kernels and full auto-tuning). For one model at given
 input shapes:
-1. Every register-tile kernel of the compiled model (schedule_kernels.py) is found with its
-   database bucket (knob_database.bucket_key: kind, column vectors, row-extent bucket).
-2. Candidates per bucket: each register tile (rows, vectors) that `isa.fits_registers` allows,
-   from half the tallest tile up and no wider than the columns need, each with the innermost
-   reduction unrolled by 1 or UNROLL; at most `max_candidates`, tallest tiles first (the
-   defaults' choice) so that a cut keeps the likely winners.
+1. Every kernel of the compiled model with tile knobs (register-tile kernels and width-vectors
+   convs, `_kernels`) is found with its database bucket (knob_database.bucket_key: kind, column
+   vectors, row-extent bucket).
+2. Candidates per bucket (`candidate_knobs`), after the knobs the kernel has now (the defaults
+   or an earlier record): each register tile (rows, vectors) that
+   `isa.fits_registers` allows, from half the tallest tile up, each with the innermost
+   reduction unrolled by 1 or UNROLL where the kernel has that knob; at most
+   `max_candidates`, tallest tiles first (the defaults' choice) so that a cut keeps the likely
+   winners.
 3. Round k compiles the model with every bucket's k-th candidate in a scratch database (one
    pipeline run serves all buckets), builds each kernel's PrimFunc alone and times it at the
    given shapes on the target (TVM's time_evaluator: median of REPEAT runs of NUMBER calls).
-4. The fastest candidate of each bucket is recorded, with its time and shape; so is the
+4. The fastest candidate of each bucket is recorded, with its time and shape, unless the
+   knobs in use now timed within MEASURED_MARGIN of it (then those are); so is the
    measured parallel threshold (`calibrate_min_parallel_work`). Compiles read the records;
    nothing is measured during a compile. MetaSchedule records, where present, still win.
-The search runs on the host; a device target needs its kernels timed over RPC, which
-`tightfit tune` does for MetaSchedule and this module does not yet. The driver (`search`) runs
-tightfit's importer and pipeline, imported when called: they sit above schedules/ (DESIGN.md
-"Layout"); the kernel-level pieces below them do not need them.
-Run: python -m tightfit.schedules.knob_search MODEL.onnx --db knobs.json --shapes x=1,3,32,32
+The kernels are compiled for the target and timed on this machine, or on a device over RPC
+(`remote`: an open connection, which loads each kernel's library cross-linked for it). The
+driver (`search`) runs tightfit's importer and pipeline, imported when called: they sit above
+schedules/ (DESIGN.md "Layout"); the kernel-level pieces below them do not need them.
+Run: `tightfit search MODEL.onnx --shapes x=1,3,32,32 --knobs knobs.json --tiles 24` (with the
+conv algorithms, algorithm_search.py), or python -m tightfit.schedules.knob_search MODEL.onnx
+--db knobs.json --shapes x=1,3,32,32
 """
 
 from __future__ import annotations
@@ -28,15 +34,33 @@ import argparse
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import tvm
 from tvm import s_tir, te, tirx
 
+from .conv2d import (
+    CHANNEL_ROWS_ANNOTATION,
+    CHANNEL_VECTORS_ANNOTATION,
+    GROUPS_ANNOTATION,
+    WIDTH_VECTORS,
+    output_row_extent,
+)
+from ..errors import InputError
+from .conv_cost import MEASURED_MARGIN
 from .isa import isa_for_target
 from .knob_database import KnobDatabase, bucket_key
-from .register_tile import KERNEL_ANNOTATION, MAX_ROWS, OUTPUT_ROW_AXIS_ANNOTATION, TileKnobs
+from .register_tile import (
+    KERNEL_ANNOTATION,
+    MAX_ROWS,
+    REDUCTION_UNROLL_ANNOTATION,
+    ROWS_ANNOTATION,
+    VECTORS_ANNOTATION,
+    TileKnobs,
+    tile_cost,
+)
 from .schedule_kernels import REGISTER_TILE_KERNELS
 from .tail_tiles import rewrite_loop_nest
 
@@ -47,23 +71,36 @@ DEFAULT_MAX_CANDIDATES = 24
 
 
 def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
-           max_candidates: int = DEFAULT_MAX_CANDIDATES) -> dict[str, dict]:
-    """Search every kernel bucket of `model` (ONNX path or proto) at `shapes` on the host and
-    record the winners in `database_path`; returns {bucket: {"knobs", "us", "tried"}}."""
+           max_candidates: int = DEFAULT_MAX_CANDIDATES, target="host", remote=None,
+           progress: Callable[[str], None] = lambda note: None) -> dict[str, dict]:
+    """Search every kernel bucket of `model` (ONNX path or proto) at `shapes` for `target`,
+    timed on this machine or, with `remote` (a connection from `device_rpc.remote.connect`),
+    on that device, and record the winners in `database_path`; returns {bucket: {"knobs",
+    "us", "tried"}}. `progress` hears each round as it starts."""
     from ..frontend import import_onnx
     from ..target import resolve_target
 
-    target = resolve_target("host")
+    target = resolve_target(target)
     imported = import_onnx(model)
     isa = isa_for_target(target.tvm_target)
     database = KnobDatabase.open(database_path, target.tvm_target)
     extents = symbol_values(imported.mod, shapes)
-    buckets = {bucket for bucket, _ in _kernels(_schedule(imported.mod, target, database_path), isa)}
-    candidates = {bucket: candidate_knobs(bucket, isa)[:max_candidates] for bucket in buckets}
+    columns: dict[str, list[int]] = {}  # bucket -> its kernels' output columns (channels)
+    compiled_with: dict[str, TileKnobs] = {}  # bucket -> the knobs its first kernel has now
+    for bucket, func in _kernels(_schedule(imported.mod, target, database_path), isa):
+        columns.setdefault(bucket, []).append(_static_columns(func))
+        compiled_with.setdefault(bucket, _knobs_of(func))
+    # the knobs a compile uses now (the defaults, or an earlier record) are always measured
+    candidates = {bucket: list(dict.fromkeys([compiled_with[bucket], *candidate_knobs(
+        bucket, isa, kernel_columns)]))[:max_candidates]
+                  for bucket, kernel_columns in columns.items()}
+    buckets = set(candidates)
     timings: dict[str, list[tuple[float, TileKnobs]]] = {bucket: [] for bucket in buckets}
     scratch = Path(database_path).with_suffix(".search.json")
     try:
-        for round_index in range(max((len(c) for c in candidates.values()), default=0)):
+        rounds = max((len(c) for c in candidates.values()), default=0)
+        for round_index in range(rounds):
+            progress(f"tiles: round {round_index + 1} of {rounds}")
             trial = KnobDatabase(scratch, database.target_key, json.loads(json.dumps(database.data)))
             tried = {}
             for bucket, knobs_list in candidates.items():
@@ -75,7 +112,8 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
             seconds: dict[str, float] = {}
             for bucket, func in _kernels(scheduled, isa):
                 if bucket in tried:
-                    seconds[bucket] = seconds.get(bucket, 0.0) + time_prim_func(func, extents, target)
+                    seconds[bucket] = (seconds.get(bucket, 0.0)
+                                       + time_prim_func(func, extents, target, remote))
             for bucket, total in seconds.items():
                 timings[bucket].append((total, tried[bucket]))
     finally:
@@ -84,31 +122,56 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
     results = {}
     for bucket, measured in timings.items():
         best_seconds, best = min(measured, key=lambda entry: entry[0])
+        # as for conv algorithms (conv_cost.MEASURED_MARGIN): near-ties are noise, and the
+        # knobs in use now stay unless another tile is clearly faster
+        current = next((seconds for seconds, knobs in measured if knobs == compiled_with[bucket]),
+                       None)
+        if current is not None and current <= best_seconds * (1 + MEASURED_MARGIN):
+            best_seconds, best = current, compiled_with[bucket]
         database.record_bucket(bucket, best, best_seconds * 1e6, shape_text)
         results[bucket] = {"knobs": best, "us": round(best_seconds * 1e6, 3), "tried": len(measured)}
-    database.record_min_parallel_work(calibrate_min_parallel_work(target.tvm_target))
+    progress("parallel threshold")
+    database.record_min_parallel_work(calibrate_min_parallel_work(target, remote))
     database.save()
     return results
 
 
-def candidate_knobs(bucket: str, isa) -> list[TileKnobs]:
-    """Register tiles for `bucket` (kind/v<column vectors>/m<rows>), tallest first."""
-    column_vectors = int(bucket.split("/")[1][1:])
+def candidate_knobs(bucket: str, isa, columns: list[int] = ()) -> list[TileKnobs]:
+    """Register tiles for `bucket` (kind/v<column vectors>/m<rows>), tallest first.
+
+    A width-vectors conv's tile is channel rows (at most the bucket's output channels) x one or
+    two vectors of output pixels (conv2d.width_tile_knobs), and it has no unroll knob; given
+    the output channels of the bucket's kernels (`columns`), its tiles come in the order of
+    their issue slots over those channels, padding included (register_tile.tile_cost, as the
+    defaults choose): a 16-channel conv's 8-row tiles come before its 15-row ones. The other
+    kernels' tiles are rows x up to four vectors of columns, no wider than the columns need,
+    with the innermost reduction unrolled by 1 or UNROLL."""
+    kind, column_part, _ = bucket.split("/")
+    column_vectors = int(column_part[1:])
+    if kind == WIDTH_VECTORS:
+        vector_counts, max_rows, unrolls = (1, 2), min(MAX_ROWS, column_vectors * isa.lanes), (1,)
+    else:
+        vector_counts = [v for v in (1, 2, 4) if v <= max(1, column_vectors)]
+        max_rows, unrolls = MAX_ROWS, (1, UNROLL)
     tiles = []
-    for vectors in sorted({v for v in (1, 2, 4) if v <= max(1, column_vectors)}):
-        fitting = [r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)]
+    for vectors in vector_counts:
+        fitting = [r for r in range(1, max_rows + 1) if isa.fits_registers(r, vectors)]
         if fitting:
             tallest = max(fitting)
             tiles += [(rows, vectors) for rows in range(max(1, tallest // 2), tallest + 1)]
     tiles.sort(key=lambda tile: (-tile[0] * tile[1], -tile[0]))
-    return [TileKnobs(rows, vectors, unroll) for rows, vectors in tiles for unroll in (1, UNROLL)]
+    if kind == WIDTH_VECTORS and columns:
+        tiles.sort(key=lambda tile: sum(-(-channels // tile[0]) for channels in columns)
+                   * tile_cost(*tile) / tile[1])
+    return [TileKnobs(rows, vectors, unroll) for rows, vectors in tiles for unroll in unrolls]
 
 
-def time_prim_func(func: tirx.PrimFunc, extents: dict[str, int], target) -> float:
+def time_prim_func(func: tirx.PrimFunc, extents: dict[str, int], target, remote=None) -> float:
     """Median seconds of one call of `func`, its symbolic dims bound by name to `extents`, on
-    random inputs (the kernel's speed does not depend on the values)."""
+    random inputs (the kernel's speed does not depend on the values), on this machine or on
+    the device behind `remote`."""
     module = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
-    library = tvm.compile(module, target=target.tvm_target)
+    library, device = _on_device(tvm.compile(module, target=target.tvm_target), target, remote)
     analyzer = tvm.sym.Analyzer()
     for param in func.params:
         for dim in getattr(param, "shape", []):
@@ -117,7 +180,6 @@ def time_prim_func(func: tirx.PrimFunc, extents: dict[str, int], target) -> floa
                     raise ValueError(f"no value for the symbolic dim {var.name}: give every "
                                      "symbolic input dim a value in the shapes")
                 analyzer.bind(var, tirx.const(extents[var.name], str(var.ty.dtype)))
-    device = tvm.cpu()
     rng = np.random.default_rng(0)
     arguments = []
     for param in func.params:
@@ -126,11 +188,19 @@ def time_prim_func(func: tirx.PrimFunc, extents: dict[str, int], target) -> floa
             continue
         shape = [int(analyzer.simplify(dim)) for dim in param.shape]
         arguments.append(tvm.runtime.tensor(np.asarray(rng.random(shape)).astype(param.dtype), device))
-    timer = library.mod.time_evaluator("main", device, number=NUMBER, repeat=REPEAT)
+    timer = library.time_evaluator("main", device, number=NUMBER, repeat=REPEAT)
     return statistics.median(timer(*arguments).results)
 
 
-def calibrate_min_parallel_work(target: tvm.target.Target) -> int:
+def _on_device(built, target, remote):
+    """(module, device) to time `built` (tvm.compile's result for `target`) on: this machine,
+    or the device behind `remote`."""
+    if remote is None:
+        return built.mod, tvm.cpu()
+    return remote.load_built(built, target.cross_compiler, target.name), remote.device
+
+
+def calibrate_min_parallel_work(target, remote=None) -> int:
     """Loop work at which a parallel loop starts to pay (dispatch.py), measured on a chain of two
     vectorized elementwise loops, as a model's kernels follow each other.
 
@@ -149,8 +219,8 @@ def calibrate_min_parallel_work(target: tvm.target.Target) -> int:
         works = [1 << exponent for exponent in range(12, 23)]
         crossovers.append(next(
             (work for work in works
-             if _elementwise_chain_seconds(target, work, True, rows_reversed)
-             < _elementwise_chain_seconds(target, work, False, rows_reversed)),
+             if _elementwise_chain_seconds(target, work, True, rows_reversed, remote)
+             < _elementwise_chain_seconds(target, work, False, rows_reversed, remote)),
             works[-1]))
     return 1 << math.floor(statistics.mean(math.log2(work) for work in crossovers))
 
@@ -158,8 +228,8 @@ def calibrate_min_parallel_work(target: tvm.target.Target) -> int:
 CHAIN_COLUMNS = 64
 
 
-def _elementwise_chain_seconds(target: tvm.target.Target, work: int, parallel: bool,
-                               rows_reversed: bool) -> float:
+def _elementwise_chain_seconds(target, work: int, parallel: bool, rows_reversed: bool,
+                               remote=None) -> float:
     """Seconds of one call of b = 2a + 1, c = b'/2 - 1 over (rows, 64) floats, where the loop
     work 2 x rows x 64 is `work` and b' is b, or b with its rows reversed. The rows are static,
     as in a compiled kernel: over a symbolic row count the parallel chain ran 1.5-2x slower."""
@@ -171,13 +241,14 @@ def _elementwise_chain_seconds(target: tvm.target.Target, work: int, parallel: b
     sch = tvm.s_tir.Schedule(te.create_prim_func([a, c]))
     for block in ("b", "c"):
         row, column = sch.get_loops(sch.get_sblock(block))
-        _, lane = sch.split(column, [None, isa_for_target(target).lanes])
+        _, lane = sch.split(column, [None, isa_for_target(target.tvm_target).lanes])
         sch.vectorize(lane)
         if parallel:
             sch.parallel(row)
-    library = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target)
-    arrays = [tvm.runtime.tensor(np.zeros(shape, "float32")) for _ in range(2)]
-    timer = library.mod.time_evaluator("main", tvm.cpu(), number=NUMBER, repeat=REPEAT)
+    library, device = _on_device(
+        tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target.tvm_target), target, remote)
+    arrays = [tvm.runtime.tensor(np.zeros(shape, "float32"), device) for _ in range(2)]
+    timer = library.time_evaluator("main", device, number=NUMBER, repeat=REPEAT)
     return statistics.median(timer(*arrays).results)
 
 
@@ -190,22 +261,48 @@ def _schedule(mod: tvm.IRModule, target, database_path: str | None) -> tvm.IRMod
 
 
 def _kernels(mod: tvm.IRModule, isa) -> list[tuple[str, tirx.PrimFunc]]:
-    """(bucket, PrimFunc) of each register-tile kernel in a scheduled module."""
+    """(bucket, PrimFunc) of each kernel with tile knobs in a scheduled module: register-tile
+    kernels and width-vectors convs, but not grouped ones (their channel rows must divide a
+    group's channels, which a bucket does not know) or CHANNEL_VECTORS ones (fixed tiles)."""
     found = []
     for global_var, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc):
             continue
         annotations = _kernel_annotations(func)
-        if annotations is None or str(annotations[KERNEL_ANNOTATION]) not in REGISTER_TILE_KERNELS:
+        if annotations is None or not _has_tile_knobs(annotations):
             continue
         kind = str(annotations[KERNEL_ANNOTATION])
         output = func.params[-1]
-        row_extent = output.shape[int(annotations[OUTPUT_ROW_AXIS_ANNOTATION])]
-        columns = output.shape[1] if kind == "conv2d_direct" else output.shape[-1]
-        static_columns = int(columns) if isinstance(columns, tirx.IntImm) else 64
-        found.append((bucket_key(kind, static_columns, row_extent, isa),
+        row_extent, _ = output_row_extent(output.shape, annotations)
+        found.append((bucket_key(kind, _static_columns(func), row_extent, isa),
                       func.with_attr("global_symbol", global_var.name_hint)))
     return found
+
+
+def _knobs_of(func: tirx.PrimFunc) -> TileKnobs:
+    """The tile knobs a scheduled kernel was built with (a width-vectors conv's rows are its
+    channel rows)."""
+    annotations = _kernel_annotations(func)
+    rows_annotation = (CHANNEL_ROWS_ANNOTATION if str(annotations[KERNEL_ANNOTATION]) == WIDTH_VECTORS
+                       else ROWS_ANNOTATION)
+    return TileKnobs(int(annotations[rows_annotation]), int(annotations[VECTORS_ANNOTATION]),
+                     int(annotations.get(REDUCTION_UNROLL_ANNOTATION, 1)))
+
+
+def _static_columns(func: tirx.PrimFunc) -> int:
+    """A kernel's output columns (a conv's output channels), 64 where symbolic."""
+    kind = str(_kernel_annotations(func)[KERNEL_ANNOTATION])
+    output = func.params[-1]
+    columns = output.shape[1] if kind in ("conv2d_direct", WIDTH_VECTORS) else output.shape[-1]
+    return int(columns) if isinstance(columns, tirx.IntImm) else 64
+
+
+def _has_tile_knobs(annotations: dict) -> bool:
+    kind = str(annotations[KERNEL_ANNOTATION])
+    if kind == WIDTH_VECTORS:
+        return (int(annotations.get(GROUPS_ANNOTATION, 1)) == 1
+                and not bool(annotations.get(CHANNEL_VECTORS_ANNOTATION, False)))
+    return kind in REGISTER_TILE_KERNELS
 
 
 def _kernel_annotations(func: tirx.PrimFunc) -> dict | None:
@@ -224,7 +321,13 @@ def _kernel_annotations(func: tirx.PrimFunc) -> dict | None:
 
 
 def symbol_values(mod: tvm.IRModule, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """Symbolic dim name -> value, read off main's inputs at `shapes`."""
+    """Symbolic dim name -> value, read off main's inputs at `shapes`; InputError naming the
+    inputs when `shapes` names another."""
+    num_input = int((mod["main"].attrs or {}).get("num_input", len(mod["main"].params)))
+    inputs = [param.name for param in mod["main"].params[:num_input]]
+    unknown = sorted(set(shapes) - set(inputs))
+    if unknown:
+        raise InputError(f"the model has no input {', '.join(unknown)}; its inputs are {', '.join(inputs)}")
     values = {}
     for param in mod["main"].params:
         if param.name not in shapes:

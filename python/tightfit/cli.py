@@ -90,8 +90,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_cmd.set_defaults(handler=_bench)
 
     search_cmd = commands.add_parser("search", parents=[common],
-                                     help="time each conv's candidate algorithms on the target and keep the "
-                                          "times in a knob database, which `compile --knobs` chooses by")
+                                     help="time each conv's candidate algorithms and each kernel's register "
+                                          "tiles on the target; keep them in a knob database for `compile --knobs`")
     search_cmd.add_argument("model", help="the ONNX file")
     search_cmd.add_argument("--target", default="host",
                             help="'host', a device preset, a device .json file, or a TVM target as JSON")
@@ -100,6 +100,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                  "(needed where inputs have dynamic dims; the model stays dynamic)")
     search_cmd.add_argument("--knobs", metavar="FILE", required=True,
                             help="the knob database (JSON) to update (created if missing)")
+    search_cmd.add_argument("--tiles", type=int, default=12, metavar="N",
+                            help="register tiles timed per kernel bucket after the conv algorithms, and the "
+                                 "parallel threshold measured (default 12; 0: conv algorithms only)")
     _add_rpc_options(search_cmd)
     search_cmd.set_defaults(handler=_search)
 
@@ -403,6 +406,10 @@ def _search(args) -> int:
     from .errors import InputError
     from .feeds import concrete_shapes, parse_shape_option
     from .frontend import declared_inputs, load_onnx
+    from .inspection import format_table
+    from .schedules import knob_search
+    from .schedules.knob_database import KnobDatabase
+    from .target import resolve_target
 
     if bool(args.rpc_tracker) != bool(args.rpc_key):
         raise InputError("--rpc-tracker HOST:PORT and --rpc-key KEY go together (`tightfit devices "
@@ -422,11 +429,20 @@ def _search(args) -> int:
             bar.update(1)
 
         timings = search_conv_algorithms(args.model, shapes, args.knobs, args.target, remote, progress)
+        tiles = (knob_search.search(args.model, args.knobs, shapes, args.tiles, args.target, remote, progress)
+                 if args.tiles > 0 else {})
     changed = [t for t in timings if t.measured_choice != t.estimated_choice]
-    data = {"knobs": args.knobs, "convs": [asdict(t) for t in timings]}
-    _emit(args, data, timing_table(timings) + f"\n\n{len(timings)} conv shape(s) timed, {len(changed)} "
-                      f"choice(s) differ from the cost model's; recorded in {args.knobs}: compile with "
-                      f"`tightfit compile {args.model} --target {args.target} --knobs {args.knobs}`")
+    tile_rows = [{"bucket": bucket, **asdict(result["knobs"]), "us": result["us"], "tried": result["tried"]}
+                 for bucket, result in tiles.items()]
+    threshold = KnobDatabase.open(args.knobs, resolve_target(args.target).tvm_target).min_parallel_work()
+    data = {"knobs": args.knobs, "convs": [asdict(t) for t in timings], "tiles": tile_rows,
+            "min_parallel_work": threshold if tiles else None}
+    text = timing_table(timings) + f"\n\n{len(timings)} conv shape(s) timed, {len(changed)} choice(s) differ " \
+                                    "from the cost model's"
+    if tiles:
+        text += "\n\n" + format_table(tile_rows) + f"\n\nparallel threshold: {threshold} loop iterations"
+    _emit(args, data, text + f"\n\nrecorded in {args.knobs}: compile with "
+                             f"`tightfit compile {args.model} --target {args.target} --knobs {args.knobs}`")
     return 0
 
 

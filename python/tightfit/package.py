@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -108,14 +107,11 @@ class Package:
     def session_on(self, device) -> "Session":  # noqa: F821
         """A session on an open connection to a device (`device_rpc.remote.connect`), which
         several packages may share: a device serves one RPC session at a time, so a second
-        connection would wait for the first to close. The library is uploaded under a name of
-        its own (the device loads a path once, and another package's library must not
-        overwrite a loaded one)."""
+        connection would wait for the first to close."""
         from .session import Session
 
         with tempfile.TemporaryDirectory(prefix="tightfit-upload-") as folder:
-            library = Path(folder) / f"{Path(LIBRARY).stem}-{uuid.uuid4().hex[:12]}.so"
-            module = device.load_library(self.export_library(library))
+            module = device.load_library(self.export_library(Path(folder) / LIBRARY))
         return Session(self, device=device.device, executable=module, remote=device)
 
     def save(self, path: str | Path) -> Path:

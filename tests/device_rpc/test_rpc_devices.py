@@ -5,7 +5,10 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from tightfit.cli import main
 from tightfit.device_rpc.devices import load_device, preset_names
@@ -89,3 +92,27 @@ def test_remote_run_on_the_x86_server_matches_onnxruntime(tracker, x86_server, m
                  "--check"]) == 0
     assert "ok" in capsys.readouterr().out
     assert devices_under(tracker, x86_server) == 1
+
+
+def test_search_on_the_x86_server_times_conv_algorithms_and_tiles_there(tracker, x86_server, tmp_path, capsys):
+    """`tightfit search` over RPC: the conv's candidates, the kernels' register tiles and the
+    parallel threshold are all timed on the device (each kernel's library uploaded into one
+    session); compile then reads the database."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4)], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, "h", "w"])],
+        [numpy_helper.from_array((rng.standard_normal((16, 8, 3, 3)) * 0.2).astype(np.float32), "w")])
+    model_path, knobs = tmp_path / "conv.onnx", tmp_path / "knobs.json"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(model_path))
+    assert main(["search", str(model_path), "--shapes", "x=1,8,12,20", "--knobs", str(knobs), "--tiles", "2",
+                 "--rpc-tracker", str(tracker), "--rpc-key", x86_server, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (conv,) = report["convs"]
+    assert len(conv["measured_us"]) == 5 and all(us > 0 for us in conv["measured_us"].values())
+    assert report["tiles"] and all(row["tried"] == 2 and row["us"] > 0 for row in report["tiles"])
+    assert report["min_parallel_work"] >= 1
+    package = tmp_path / "conv.tfpkg"
+    assert main(["compile", str(model_path), "--knobs", str(knobs), "-o", str(package)]) == 0
+    assert main(["run", str(package), "--shape", "x=1,8,9,30", "--check"]) == 0

@@ -4,13 +4,13 @@ on-disk database keyed by target, kind and bucket, and compiles then use the rec
 import json
 
 import numpy as np
-from test_kernel_versions import dense_model
+from test_kernel_versions import conv_model, dense_model
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
-from tightfit.schedules.isa import isa_for_target
+from tightfit.schedules.isa import AVX512, isa_for_target
 from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.schedules.knob_search import candidate_knobs, search
 from tightfit.schedules.register_tile import TileKnobs
@@ -69,3 +69,32 @@ def test_a_recorded_reduction_unroll_reaches_the_kernel(tmp_path):
         np.testing.assert_allclose(ours["y"], run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
     assert '"tightfit.reduction_unroll": 4' in scripts[4]
     assert scripts[4].count("T.unroll") > scripts[1].count("T.unroll")
+
+
+def test_search_covers_width_vector_convs_and_compiles_use_the_recorded_channel_rows(tmp_path):
+    """The conv kernel most convs run in: its channel rows are searched (here 16 output
+    channels over a symbolic width), starting from the rows a compile uses now."""
+    database = tmp_path / "knobs.json"
+    model = conv_model(8, 16, 1, kernel=3, height=6)
+    results = search(model, database, {"x": (1, 8, 6, 37)}, max_candidates=3)
+    (bucket,) = results
+    assert bucket.startswith("conv2d_width_vectors/") and results[bucket]["tried"] == 3
+    record = json.loads(database.read_text())["targets"][str(resolve_target("host").tvm_target)]["tiles"][bucket]
+    options = PipelineOptions(knob_database=str(database))
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert f'"tightfit.channel_rows": {record["rows"]}' in scheduled.script()
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 6, 29)).astype(np.float32)}
+    ours = tightfit.compile(model, options=options).session().run(feeds)
+    expected = run_onnxruntime(model, feeds)
+    np.testing.assert_allclose(ours["y"], expected["y"], rtol=1e-4, atol=1e-5)
+
+
+def test_width_vector_candidates_put_tiles_that_fit_the_channels_first():
+    """Channel rows x one or two pixel vectors, no unroll knob; for 16 channels the tiles
+    that cover them without padding come before the tallest ones."""
+    candidates = candidate_knobs("conv2d_width_vectors/v1/mdyn", AVX512, [16])
+    assert {c.vectors for c in candidates} == {1, 2} and {c.reduction_unroll for c in candidates} == {1}
+    assert all(AVX512.fits_registers(c.rows, c.vectors) for c in candidates)
+    order = [(c.rows, c.vectors) for c in candidates]
+    assert order.index((8, 1)) < order.index((15, 1)) and order.index((4, 2)) < order.index((7, 2))

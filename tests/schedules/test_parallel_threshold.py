@@ -80,6 +80,6 @@ def test_a_conv_runs_serially_exactly_when_its_weighted_work_is_below_the_thresh
 
 
 def test_the_calibrated_threshold_is_a_power_of_two_within_the_measured_range():
-    threshold = calibrate_min_parallel_work(resolve_target("host").tvm_target)
+    threshold = calibrate_min_parallel_work(resolve_target("host"))
     assert 1 << 12 <= threshold <= 1 << 22
     assert math.log2(threshold).is_integer()
