@@ -183,7 +183,8 @@ class _ConvRewriter(relax.PyExprMutator):
             in_channels = int(call.args[1].ty.shape[1]) * groups
             channel_vectors = pointwise and conv2d.uses_channel_vectors(
                 self.isa, in_channels, out_channels, groups)
-            knobs = self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
+            knobs = self.database.tile_knobs(conv2d.tile_kind(pointwise), out_channels, row_extent,
+                                             self.isa)
             if channel_vectors:
                 knobs = TileKnobs(rows=conv2d.CHANNEL_VECTORS_PANEL, vectors=1)
             elif knobs is None or (groups > 1 and (out_channels // groups) % knobs.rows):
@@ -218,7 +219,7 @@ class _ConvRewriter(relax.PyExprMutator):
         attrs = call.attrs
         out_channels, _, kernel_h, kernel_w = (int(d) for d in call.args[1].ty.shape.values)
         row_extent = call.ty.shape[2] * call.ty.shape[3]
-        knobs = (self.database.tile_knobs(conv2d.WIDTH_VECTORS, out_channels, row_extent, self.isa)
+        knobs = (self.database.tile_knobs(conv2d.tile_kind(True), out_channels, row_extent, self.isa)
                  or conv2d.width_tile_knobs(self.isa, out_channels,
                                             _pointwise_weight_bytes(call) * kernel_h * kernel_w))
         packed = emit_weight_transform(self.builder_, conv2d.pack_im2col_weight, [weight],

@@ -279,6 +279,12 @@ def _pixel_domain(height, width, tile_columns: int):
     return tirx.max(height * width, tile_columns)
 
 
+def tile_kind(flat_pixels: bool) -> str:
+    """The knob database's kind for a width-vectors conv's tiles: row tiles and flat-pixel
+    tiles (pointwise convs, im2col's GEMM) default to different tiles (`width_tile_knobs`)."""
+    return f"{WIDTH_VECTORS}_flat" if flat_pixels else WIDTH_VECTORS
+
+
 def output_row_extent(out_shape, annotations) -> tuple[object, int]:
     """(row extent, row axis) of a kernel's out block as scheduled: the annotated axis, or for
     flat-pixel tiles the out block's pixel plane (H x W) fused at axis 2."""

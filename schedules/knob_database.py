@@ -18,7 +18,9 @@ File format (JSON, one file, written atomically):
                                             "shape": "1x12x16x16"}},
          "min_parallel_work": 131072}}}
 Bucket: `v<panel vectors needed, at most 8>/m<row extent bucket>`, where the row extent bucket
-is `dyn` for a symbolic extent and the next power of two (at most 1024) otherwise.
+is `dyn` for a symbolic extent and the next power of two (at most 1024) otherwise; a
+width-vectors conv's (kinds conv2d.tile_kind) has `c<output channels>` in place of `v...`: its
+tile's rows are output channels, chosen against their exact count.
 Conv key: conv_cost.ConvShape.measurement_key (attributes, batch, height, width); its record
 holds each candidate algorithm's time on the target (None: failed there) and the input shape
 it was timed at (python/tightfit/algorithm_search.py).
@@ -35,6 +37,7 @@ from pathlib import Path
 import tvm
 from tvm import tirx
 
+from .conv2d import WIDTH_VECTORS
 from .dispatch import DEFAULT_MIN_PARALLEL_WORK
 from .isa import VectorISA
 from .register_tile import TileKnobs
@@ -115,10 +118,13 @@ class KnobDatabase:
 
 
 def bucket_key(kind: str, columns: int, row_extent, isa: VectorISA) -> str:
-    vectors = min(8, max(1, -(-int(columns) // isa.lanes)))
+    if kind.startswith(WIDTH_VECTORS):
+        column_part = f"c{int(columns)}"
+    else:
+        column_part = f"v{min(8, max(1, -(-int(columns) // isa.lanes)))}"
     if isinstance(row_extent, (int, tirx.IntImm)):
         extent = int(row_extent)
         rows = "1" if extent <= 1 else str(min(1024, 1 << (extent - 1).bit_length()))
     else:
         rows = "dyn"
-    return f"{kind}/v{vectors}/m{rows}"
+    return f"{kind}/{column_part}/m{rows}"

@@ -15,9 +15,10 @@ input shapes:
 3. Round k compiles the model with every bucket's k-th candidate in a scratch database (one
    pipeline run serves all buckets), builds each kernel's PrimFunc alone and times it at the
    given shapes on the target (TVM's time_evaluator: median of REPEAT runs of NUMBER calls).
-4. The fastest candidate of each bucket is recorded, with its time and shape, unless the
-   knobs in use now timed within MEASURED_MARGIN of it (then those are); so is the
-   measured parallel threshold (`calibrate_min_parallel_work`). Compiles read the records;
+4. The fastest candidate of each bucket is timed again against the knobs in use now, the two
+   taking turns (`_interleaved_seconds`), and recorded with its time and shape unless the
+   knobs in use now timed within MEASURED_MARGIN of it (then those are); so is the measured
+   parallel threshold (`calibrate_min_parallel_work`). Compiles read the records;
    nothing is measured during a compile. MetaSchedule records, where present, still win.
 The kernels are compiled for the target and timed on this machine, or on a device over RPC
 (`remote`: an open connection, which loads each kernel's library cross-linked for it). The
@@ -44,9 +45,11 @@ from tvm import s_tir, te, tirx
 from .conv2d import (
     CHANNEL_ROWS_ANNOTATION,
     CHANNEL_VECTORS_ANNOTATION,
+    FLAT_PIXELS_ANNOTATION,
     GROUPS_ANNOTATION,
     WIDTH_VECTORS,
     output_row_extent,
+    tile_kind,
 )
 from ..errors import InputError
 from .conv_cost import MEASURED_MARGIN
@@ -85,17 +88,14 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
     isa = isa_for_target(target.tvm_target)
     database = KnobDatabase.open(database_path, target.tvm_target)
     extents = symbol_values(imported.mod, shapes)
-    columns: dict[str, list[int]] = {}  # bucket -> its kernels' output columns (channels)
     compiled_with: dict[str, TileKnobs] = {}  # bucket -> the knobs its first kernel has now
     for bucket, func in _kernels(_schedule(imported.mod, target, database_path), isa):
-        columns.setdefault(bucket, []).append(_static_columns(func))
         compiled_with.setdefault(bucket, _knobs_of(func))
     # the knobs a compile uses now (the defaults, or an earlier record) are always measured
-    candidates = {bucket: list(dict.fromkeys([compiled_with[bucket], *candidate_knobs(
-        bucket, isa, kernel_columns)]))[:max_candidates]
-                  for bucket, kernel_columns in columns.items()}
-    buckets = set(candidates)
-    timings: dict[str, list[tuple[float, TileKnobs]]] = {bucket: [] for bucket in buckets}
+    candidates = {bucket: list(dict.fromkeys([knobs, *candidate_knobs(bucket, isa)]))[:max_candidates]
+                  for bucket, knobs in compiled_with.items()}
+    # bucket -> [(seconds, knobs, a timer per kernel of the bucket)]
+    timings: dict[str, list[tuple[float, TileKnobs, list]]] = {bucket: [] for bucket in candidates}
     scratch = Path(database_path).with_suffix(".search.json")
     try:
         rounds = max((len(c) for c in candidates.values()), default=0)
@@ -109,25 +109,26 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
                     trial.record_bucket(bucket, tried[bucket], 0.0, "candidate")
             trial.save()
             scheduled = _schedule(imported.mod, target, str(scratch))
-            seconds: dict[str, float] = {}
+            timers: dict[str, list] = {}
             for bucket, func in _kernels(scheduled, isa):
                 if bucket in tried:
-                    seconds[bucket] = (seconds.get(bucket, 0.0)
-                                       + time_prim_func(func, extents, target, remote))
-            for bucket, total in seconds.items():
-                timings[bucket].append((total, tried[bucket]))
+                    timers.setdefault(bucket, []).append(prim_func_timer(func, extents, target, remote))
+            for bucket, bucket_timers in timers.items():
+                timings[bucket].append((sum(timer() for timer in bucket_timers), tried[bucket],
+                                        bucket_timers))
     finally:
         scratch.unlink(missing_ok=True)
     shape_text = ";".join(f"{name}={'x'.join(map(str, dims))}" for name, dims in shapes.items())
     results = {}
     for bucket, measured in timings.items():
-        best_seconds, best = min(measured, key=lambda entry: entry[0])
-        # as for conv algorithms (conv_cost.MEASURED_MARGIN): near-ties are noise, and the
-        # knobs in use now stay unless another tile is clearly faster
-        current = next((seconds for seconds, knobs in measured if knobs == compiled_with[bucket]),
-                       None)
-        if current is not None and current <= best_seconds * (1 + MEASURED_MARGIN):
-            best_seconds, best = current, compiled_with[bucket]
+        best_seconds, best, best_timers = min(measured, key=lambda entry: entry[0])
+        current = next((entry for entry in measured if entry[1] == compiled_with[bucket]), None)
+        if current is not None and best != current[1]:
+            best_seconds, current_seconds = _interleaved_seconds([best_timers, current[2]])
+            # as for conv algorithms (conv_cost.MEASURED_MARGIN): near-ties are noise, and the
+            # knobs in use now stay unless another tile is clearly faster
+            if current_seconds <= best_seconds * (1 + MEASURED_MARGIN):
+                best_seconds, best = current_seconds, current[1]
         database.record_bucket(bucket, best, best_seconds * 1e6, shape_text)
         results[bucket] = {"knobs": best, "us": round(best_seconds * 1e6, 3), "tried": len(measured)}
     progress("parallel threshold")
@@ -136,22 +137,23 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
     return results
 
 
-def candidate_knobs(bucket: str, isa, columns: list[int] = ()) -> list[TileKnobs]:
-    """Register tiles for `bucket` (kind/v<column vectors>/m<rows>), tallest first.
+def candidate_knobs(bucket: str, isa) -> list[TileKnobs]:
+    """Register tiles for `bucket` (kind/v<column vectors>/m<rows>, or a width-vectors conv's
+    kind/c<output channels>/m<rows>; knob_database.bucket_key), tallest first.
 
-    A width-vectors conv's tile is channel rows (at most the bucket's output channels) x one or
-    two vectors of output pixels (conv2d.width_tile_knobs), and it has no unroll knob; given
-    the output channels of the bucket's kernels (`columns`), its tiles come in the order of
-    their issue slots over those channels, padding included (register_tile.tile_cost, as the
-    defaults choose): a 16-channel conv's 8-row tiles come before its 15-row ones. The other
-    kernels' tiles are rows x up to four vectors of columns, no wider than the columns need,
-    with the innermost reduction unrolled by 1 or UNROLL."""
+    A width-vectors conv's tile is channel rows (at most its output channels) x one or two
+    vectors of output pixels (conv2d.width_tile_knobs), and it has no unroll knob; its tiles
+    come in the order of their issue slots over the channels, padding included
+    (register_tile.tile_cost, as the defaults weigh them): a 16-channel conv's 8-row tiles come
+    before its 15-row ones. The other kernels' tiles are rows x up to four vectors of columns,
+    no wider than the columns need, with the innermost reduction unrolled by 1 or UNROLL."""
     kind, column_part, _ = bucket.split("/")
-    column_vectors = int(column_part[1:])
-    if kind == WIDTH_VECTORS:
-        vector_counts, max_rows, unrolls = (1, 2), min(MAX_ROWS, column_vectors * isa.lanes), (1,)
+    count = int(column_part[1:])
+    width_vectors = kind.startswith(WIDTH_VECTORS)
+    if width_vectors:
+        vector_counts, max_rows, unrolls = (1, 2), min(MAX_ROWS, count), (1,)
     else:
-        vector_counts = [v for v in (1, 2, 4) if v <= max(1, column_vectors)]
+        vector_counts = [v for v in (1, 2, 4) if v <= max(1, count)]
         max_rows, unrolls = MAX_ROWS, (1, UNROLL)
     tiles = []
     for vectors in vector_counts:
@@ -160,16 +162,29 @@ def candidate_knobs(bucket: str, isa, columns: list[int] = ()) -> list[TileKnobs
             tallest = max(fitting)
             tiles += [(rows, vectors) for rows in range(max(1, tallest // 2), tallest + 1)]
     tiles.sort(key=lambda tile: (-tile[0] * tile[1], -tile[0]))
-    if kind == WIDTH_VECTORS and columns:
-        tiles.sort(key=lambda tile: sum(-(-channels // tile[0]) for channels in columns)
-                   * tile_cost(*tile) / tile[1])
+    if width_vectors:
+        tiles.sort(key=lambda tile: -(-count // tile[0]) * tile_cost(*tile) / tile[1])
     return [TileKnobs(rows, vectors, unroll) for rows, vectors in tiles for unroll in unrolls]
 
 
-def time_prim_func(func: tirx.PrimFunc, extents: dict[str, int], target, remote=None) -> float:
-    """Median seconds of one call of `func`, its symbolic dims bound by name to `extents`, on
-    random inputs (the kernel's speed does not depend on the values), on this machine or on
-    the device behind `remote`."""
+CONFIRMATION_ROUNDS = 5
+
+
+def _interleaved_seconds(timer_sets: list[list]) -> list[float]:
+    """For each set of kernel timers, the median over CONFIRMATION_ROUNDS of their summed
+    times, the sets taking turns: the search's rounds run minutes apart, and this machine's
+    drift between them was as large as the differences between a bucket's best tiles."""
+    samples = [[] for _ in timer_sets]
+    for _ in range(CONFIRMATION_ROUNDS):
+        for timers, values in zip(timer_sets, samples):
+            values.append(sum(timer() for timer in timers))
+    return [statistics.median(values) for values in samples]
+
+
+def prim_func_timer(func: tirx.PrimFunc, extents: dict[str, int], target, remote=None):
+    """A function that times one call of `func` (the median over TVM's time_evaluator), its
+    symbolic dims bound by name to `extents`, on random inputs (the kernel's speed does not
+    depend on the values), on this machine or on the device behind `remote`; compiled once."""
     module = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     library, device = _on_device(tvm.compile(module, target=target.tvm_target), target, remote)
     analyzer = tvm.sym.Analyzer()
@@ -189,7 +204,7 @@ def time_prim_func(func: tirx.PrimFunc, extents: dict[str, int], target, remote=
         shape = [int(analyzer.simplify(dim)) for dim in param.shape]
         arguments.append(tvm.runtime.tensor(np.asarray(rng.random(shape)).astype(param.dtype), device))
     timer = library.time_evaluator("main", device, number=NUMBER, repeat=REPEAT)
-    return statistics.median(timer(*arguments).results)
+    return lambda: statistics.median(timer(*arguments).results)
 
 
 def _on_device(built, target, remote):
@@ -272,6 +287,8 @@ def _kernels(mod: tvm.IRModule, isa) -> list[tuple[str, tirx.PrimFunc]]:
         if annotations is None or not _has_tile_knobs(annotations):
             continue
         kind = str(annotations[KERNEL_ANNOTATION])
+        if kind == WIDTH_VECTORS:
+            kind = tile_kind(FLAT_PIXELS_ANNOTATION in annotations)
         output = func.params[-1]
         row_extent, _ = output_row_extent(output.shape, annotations)
         found.append((bucket_key(kind, _static_columns(func), row_extent, isa),

@@ -78,7 +78,7 @@ def test_search_covers_width_vector_convs_and_compiles_use_the_recorded_channel_
     model = conv_model(8, 16, 1, kernel=3, height=6)
     results = search(model, database, {"x": (1, 8, 6, 37)}, max_candidates=3)
     (bucket,) = results
-    assert bucket.startswith("conv2d_width_vectors/") and results[bucket]["tried"] == 3
+    assert bucket == "conv2d_width_vectors/c16/mdyn" and results[bucket]["tried"] == 3
     record = json.loads(database.read_text())["targets"][str(resolve_target("host").tvm_target)]["tiles"][bucket]
     options = PipelineOptions(knob_database=str(database))
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
@@ -93,7 +93,7 @@ def test_search_covers_width_vector_convs_and_compiles_use_the_recorded_channel_
 def test_width_vector_candidates_put_tiles_that_fit_the_channels_first():
     """Channel rows x one or two pixel vectors, no unroll knob; for 16 channels the tiles
     that cover them without padding come before the tallest ones."""
-    candidates = candidate_knobs("conv2d_width_vectors/v1/mdyn", AVX512, [16])
+    candidates = candidate_knobs("conv2d_width_vectors/c16/mdyn", AVX512)
     assert {c.vectors for c in candidates} == {1, 2} and {c.reduction_unroll for c in candidates} == {1}
     assert all(AVX512.fits_registers(c.rows, c.vectors) for c in candidates)
     order = [(c.rows, c.vectors) for c in candidates]
