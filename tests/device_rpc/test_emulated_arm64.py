@@ -145,11 +145,12 @@ def test_channel_vector_pointwise_conv_compiled_for_arm64_runs_on_the_emulated_d
         assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
-def test_conv_algorithms_timed_on_the_emulated_device_decide_the_arm64_build(tracker, arm64_device,
-                                                                             tmp_path, capsys):
-    """`tightfit search` over RPC: every candidate of a strided conv compiled for Arm64, timed
-    on the device in one RPC session, recorded under the Arm64 target; the Arm64 build then
-    runs the candidate measured fastest there, and matches onnxruntime on the device."""
+def test_kernel_choices_timed_on_the_emulated_device_decide_the_arm64_build(tracker, arm64_device,
+                                                                            tmp_path, capsys):
+    """`tightfit search` over RPC: every candidate of a strided conv and the chosen kernel's
+    NEON tiles compiled for Arm64, timed on the device in one RPC session, recorded under the
+    Arm64 target; the Arm64 build then runs the candidate measured fastest there, and matches
+    onnxruntime on the device."""
     rng = np.random.default_rng(7)
     weight = numpy_helper.from_array((rng.standard_normal((16, 8, 3, 3)) * 0.2).astype(np.float32), "w")
     graph = helper.make_graph(
@@ -160,9 +161,11 @@ def test_conv_algorithms_timed_on_the_emulated_device_decide_the_arm64_build(tra
     model_path, knobs = tmp_path / "conv.onnx", tmp_path / "knobs.json"
     onnx.save(model, str(model_path))
     assert main(["search", str(model_path), "--target", "emulated-arm64", "--shapes", "x=1,8,24,20",
-                 "--knobs", str(knobs), "--rpc-tracker", str(tracker), "--rpc-key", arm64_device,
-                 "--json"]) == 0
-    (conv,) = json.loads(capsys.readouterr().out)["convs"]
+                 "--tiles", "1", "--knobs", str(knobs), "--rpc-tracker", str(tracker),
+                 "--rpc-key", arm64_device, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (conv,) = report["convs"]
+    assert report["tiles"] and report["min_parallel_work"] >= 1
     assert set(conv["measured_us"]) == {"direct", "width_vectors", "im2col"}
     assert all(us > 0 for us in conv["measured_us"].values())
     (target_key,) = json.loads(knobs.read_text())["targets"]
