@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -86,6 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
                            "measured peak and memory bandwidth (with the whole zoo: also ResNet-50's "
                            "3x3 conv and a BERT-base GEMM); writes roofline.md/.json/.png")
     bench_cmd.add_argument("--out", metavar="DIR", default="bench/results", help="where bench.json and bench.md go")
+    _add_knobs_option(bench_cmd)
     _add_rpc_options(bench_cmd)
     bench_cmd.set_defaults(handler=_bench)
 
@@ -277,7 +279,10 @@ def _run(args) -> int:
 def _bench(args) -> int:
     from .errors import InputError
     from .feeds import parse_shape_option
+    from .schedules.knob_database import ENV_VARIABLE
 
+    if args.knobs:  # every tightfit compile of the benchmark, its memory workers' too, reads it
+        os.environ[ENV_VARIABLE] = str(Path(args.knobs).resolve())
     if args.rpc_tracker or args.rpc_key:
         return _bench_remote(args)
     jobs = []
