@@ -20,6 +20,7 @@ from tightfit.schedules.conv_cost import (
     with_measurements,
 )
 from tightfit.schedules.isa import AVX512
+from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.target import resolve_target
 from tvm import tirx
 
@@ -123,11 +124,11 @@ def test_compile_follows_recorded_times_and_still_matches_onnxruntime(tmp_path):
     """Times that make the slowest-looking candidate win: the choice follows them, whatever the
     cost model says."""
     model, knobs = conv_net(), tmp_path / "knobs.json"
-    search_conv_algorithms(model, {"x": (1, 8, 20, 24)}, knobs)
-    data = json.loads(knobs.read_text())
-    for record in next(iter(data["targets"].values()))["conv_algorithms"].values():
-        record["us"] = {name: (1.0 if name == "direct" else 100.0) for name in record["us"]}
-    knobs.write_text(json.dumps(data))
+    database = KnobDatabase.open(knobs, resolve_target("host").tvm_target)
+    for key, _, records in chosen_algorithms(model, knobs):
+        database.record_conv_times(key, {record["name"]: 1.0 if record["name"] == "direct" else 100.0
+                                         for record in records}, "1x8x20x24")
+    database.save()
     algorithms = [algorithm for _, algorithm, records in chosen_algorithms(model, knobs)
                   if len(records) > 1]
     assert algorithms == ["direct"] * 3
@@ -150,7 +151,8 @@ def test_search_command_writes_knobs_that_compile_uses(tmp_path, capsys):
     model_path.write_bytes(conv1d_net().SerializeToString())
     assert main(["search", str(model_path), "--knobs", str(knobs)]) == 5  # t is dynamic
     assert "--shapes" in capsys.readouterr().err
-    assert main(["search", str(model_path), "--shapes", "x=1,12,64", "--knobs", str(knobs), "--json"]) == 0
+    assert main(["search", str(model_path), "--shapes", "x=1,12,64", "--knobs", str(knobs), "--tiles", "2",
+                 "--json"]) == 0
     (conv,) = json.loads(capsys.readouterr().out)["convs"]
     assert conv["measured_choice"] in conv["measured_us"] and conv["input_shape"] == [1, 12, 64]
     package = tmp_path / "model.tfpkg"
