@@ -5,7 +5,8 @@ import pytest
 
 from tightfit.errors import InputError
 from tightfit.frontend import TensorSpec
-from tightfit.session import check_feeds
+from tightfit.feeds import run_onnxruntime
+from tightfit.session import aligned_empty, check_feeds
 
 SPECS = [TensorSpec("ids", ("batch", "seq"), "int64"), TensorSpec("mask", ("batch", "seq"), "float32"),
          TensorSpec("scale", (1,), "float32")]
@@ -55,3 +56,23 @@ def test_wrong_feeds_after_checked_ones_are_still_rejected(mlp_package, wrong, m
     session.run({"x": np.ones((3, 8), np.float32)})
     with pytest.raises(InputError, match=message):
         session.run(wrong)
+
+
+def test_an_array_fed_again_is_read_as_it_is_now(mlp_model, mlp_package):
+    """The session reuses its view of the array fed last (session._views): values written into
+    the array since are what the next run reads, and another array gets a view of its own."""
+    session = mlp_package.session()
+    rng = np.random.default_rng(3)
+    x, other = aligned_empty((3, 8), np.float32), aligned_empty((3, 8), np.float32)
+    for array in (x, other):
+        array[:] = rng.standard_normal((3, 8))
+    for feeds in ({"x": x}, {"x": x}, {"x": other}):
+        np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(mlp_model, feeds)["y"],
+                                   rtol=1e-5, atol=1e-5)
+    x[:] = rng.standard_normal((3, 8))
+    expected = run_onnxruntime(mlp_model, {"x": x})["y"]
+    session.run({"x": x})
+    x[0] = 100.0  # written between two runs of the same array
+    expected_after = run_onnxruntime(mlp_model, {"x": x})["y"]
+    np.testing.assert_allclose(session.run({"x": x})["y"], expected_after, rtol=1e-5, atol=1e-4)
+    assert not np.allclose(expected, expected_after)
