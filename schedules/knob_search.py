@@ -42,6 +42,7 @@ import numpy as np
 import tvm
 from tvm import s_tir, te, tirx
 
+from ..errors import InputError
 from .conv2d import (
     CHANNEL_ROWS_ANNOTATION,
     CHANNEL_VECTORS_ANNOTATION,
@@ -51,7 +52,6 @@ from .conv2d import (
     output_row_extent,
     tile_kind,
 )
-from ..errors import InputError
 from .conv_cost import MEASURED_MARGIN
 from .isa import isa_for_target
 from .knob_database import KnobDatabase, bucket_key
@@ -94,8 +94,10 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
     # the knobs a compile uses now (the defaults, or an earlier record) are always measured
     candidates = {bucket: list(dict.fromkeys([knobs, *candidate_knobs(bucket, isa)]))[:max_candidates]
                   for bucket, knobs in compiled_with.items()}
-    # bucket -> [(seconds, knobs, a timer per kernel of the bucket)]
-    timings: dict[str, list[tuple[float, TileKnobs, list]]] = {bucket: [] for bucket in candidates}
+    # bucket -> [(seconds, knobs, a timer per kernel of the bucket: kept for the knobs in use
+    # now and the fastest so far, which are timed again at the end; None for the others, whose
+    # libraries a device need not keep loaded)]
+    timings: dict[str, list[tuple[float, TileKnobs, list | None]]] = {bucket: [] for bucket in candidates}
     scratch = Path(database_path).with_suffix(".search.json")
     try:
         rounds = max((len(c) for c in candidates.values()), default=0)
@@ -116,6 +118,9 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
             for bucket, bucket_timers in timers.items():
                 timings[bucket].append((sum(timer() for timer in bucket_timers), tried[bucket],
                                         bucket_timers))
+                fastest = min(timings[bucket], key=lambda entry: entry[0])
+                timings[bucket] = [entry if entry is fastest or entry[1] == compiled_with[bucket]
+                                   else (*entry[:2], None) for entry in timings[bucket]]
     finally:
         scratch.unlink(missing_ok=True)
     shape_text = ";".join(f"{name}={'x'.join(map(str, dims))}" for name, dims in shapes.items())
