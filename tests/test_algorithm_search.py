@@ -151,6 +151,9 @@ def test_search_command_writes_knobs_that_compile_uses(tmp_path, capsys):
     model_path.write_bytes(conv1d_net().SerializeToString())
     assert main(["search", str(model_path), "--knobs", str(knobs)]) == 5  # t is dynamic
     assert "--shapes" in capsys.readouterr().err
+    assert main(["search", str(model_path), "--target", "emulated-arm64", "--shapes", "x=1,12,64",
+                 "--knobs", str(knobs)]) == 5
+    assert "only be timed on the device: add --rpc-tracker" in capsys.readouterr().err
     assert main(["search", str(model_path), "--shapes", "x=1,12,64", "--knobs", str(knobs), "--tiles", "2",
                  "--json"]) == 0
     (conv,) = json.loads(capsys.readouterr().out)["convs"]

@@ -408,7 +408,7 @@ def _search(args) -> int:
     from tqdm import tqdm
 
     from .algorithm_search import search_conv_algorithms, timing_table
-    from .errors import InputError
+    from .errors import DeviceError, InputError
     from .feeds import concrete_shapes, parse_shape_option
     from .frontend import declared_inputs, load_onnx
     from .inspection import format_table
@@ -419,6 +419,10 @@ def _search(args) -> int:
     if bool(args.rpc_tracker) != bool(args.rpc_key):
         raise InputError("--rpc-tracker HOST:PORT and --rpc-key KEY go together (`tightfit devices "
                          "--rpc-tracker HOST:PORT` lists the keys)")
+    target = resolve_target(args.target)
+    if not args.rpc_tracker and not target.runs_on_host:
+        raise InputError(f"{target.name} kernels can only be timed on the device: add --rpc-tracker HOST:PORT "
+                         "--rpc-key KEY (for the emulated device: `tightfit device emulate --key KEY`)")
     given = dict(parse_shape_option(text) for text in filter(None, args.shapes.split(";")))
     shapes = concrete_shapes(declared_inputs(load_onnx(args.model).graph), given, option="--shapes")
     remote = None
@@ -433,13 +437,20 @@ def _search(args) -> int:
             bar.set_postfix_str(note)
             bar.update(1)
 
-        timings = search_conv_algorithms(args.model, shapes, args.knobs, args.target, remote, progress)
-        tiles = (knob_search.search(args.model, args.knobs, shapes, args.tiles, args.target, remote, progress)
-                 if args.tiles > 0 else {})
+        try:
+            timings = search_conv_algorithms(args.model, shapes, args.knobs, target, remote, progress)
+            tiles = (knob_search.search(args.model, args.knobs, shapes, args.tiles, target, remote, progress)
+                     if args.tiles > 0 else {})
+        except RuntimeError as err:  # TVM's RPC errors: the device failed or went away
+            if remote is None:
+                raise
+            raise DeviceError(f"timing on {args.rpc_key!r} failed: {str(err).strip().splitlines()[-1]}; "
+                              f"the convs timed before are kept in {args.knobs}: check the device "
+                              "(`tightfit devices --rpc-tracker ...`) and run the search again") from err
     changed = [t for t in timings if t.measured_choice != t.estimated_choice]
     tile_rows = [{"bucket": bucket, **asdict(result["knobs"]), "us": result["us"], "tried": result["tried"]}
                  for bucket, result in tiles.items()]
-    threshold = KnobDatabase.open(args.knobs, resolve_target(args.target).tvm_target).min_parallel_work()
+    threshold = KnobDatabase.open(args.knobs, target.tvm_target).min_parallel_work()
     data = {"knobs": args.knobs, "convs": [asdict(t) for t in timings], "tiles": tile_rows,
             "min_parallel_work": threshold if tiles else None}
     text = timing_table(timings) + f"\n\n{len(timings)} conv shape(s) timed, {len(changed)} choice(s) differ " \
