@@ -154,10 +154,13 @@ def test_search_command_writes_knobs_that_compile_uses(tmp_path, capsys):
     assert main(["search", str(model_path), "--target", "emulated-arm64", "--shapes", "x=1,12,64",
                  "--knobs", str(knobs)]) == 5
     assert "only be timed on the device: add --rpc-tracker" in capsys.readouterr().err
+    plot = tmp_path / "search.png"
     assert main(["search", str(model_path), "--shapes", "x=1,12,64", "--knobs", str(knobs), "--tiles", "2",
-                 "--json"]) == 0
+                 "--plot", str(plot), "--json"]) == 0
     (conv,) = json.loads(capsys.readouterr().out)["convs"]
     assert conv["measured_choice"] in conv["measured_us"] and conv["input_shape"] == [1, 12, 64]
+    assert set(conv["estimated_at_input_us"]) == set(conv["measured_us"])
+    assert plot.read_bytes().startswith(b"\x89PNG")
     package = tmp_path / "model.tfpkg"
     assert main(["compile", str(model_path), "--knobs", str(knobs), "-o", str(package)]) == 0
     assert main(["run", str(package), "--shape", "x=1,12,50", "--check"]) == 0

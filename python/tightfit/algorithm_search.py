@@ -40,7 +40,7 @@ from .errors import CompilationError
 from .frontend import import_onnx
 from .passes.select_conv_algorithm import ConvCosting, convs_to_choose
 from .pipeline import PipelineOptions, run_pipeline
-from .schedules.conv_cost import Candidate, choose, with_measurements
+from .schedules.conv_cost import Candidate, ConvShape, candidate_costs, choose, with_measurements
 from .schedules.knob_database import KnobDatabase
 from .schedules.knob_search import symbol_values
 from .target import resolve_target
@@ -59,6 +59,7 @@ class ConvTiming:
     convs: int  # convs of the model that share the key
     estimated_us: dict[str, float]  # at the pass's typical extents
     estimated_choice: str  # the cost model's
+    estimated_at_input_us: dict[str, float]  # at the input it was timed at
     measured_us: dict[str, float | None] = field(default_factory=dict)  # None: failed there
     measured_choice: str | None = None  # SelectConvAlgorithm's, given the times (no budget)
     errors: dict[str, str] = field(default_factory=dict)
@@ -91,8 +92,11 @@ def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_p
                 timings[key][0].convs += 1
                 continue
             estimated = {c.name: round(c.seconds * 1e6, 3) for c in candidates}
-            timings[key] = (ConvTiming(key, input_shape, 1, estimated, choose(candidates, None).name),
-                            candidates, call)
+            at_input = {c.name: round(c.seconds * 1e6, 3) for c in candidate_costs(
+                ConvShape.from_call(call, {"default": 1, **extents}), costing.isa, costing.rates)
+                if c.name in estimated}
+            timings[key] = (ConvTiming(key, input_shape, 1, estimated, choose(candidates, None).name,
+                                       at_input), candidates, call)
     for timing, candidates, call in timings.values():
         conv_model, feeds = cut_out_conv(call, timing.input_shape)
         sessions = {}
@@ -188,3 +192,37 @@ def timing_table(timings: list[ConvTiming]) -> str:
         lines.append(f"| {timing.key} | {'x'.join(map(str, timing.input_shape))} | {timing.convs} | "
                      f"{cells} | {timing.estimated_choice} | {timing.measured_choice or '-'} |")
     return "\n".join(lines)
+
+
+def plot_timings(timings: list[ConvTiming], path: str | Path) -> Path:
+    """Log-log: each candidate of each timed conv, the cost model's estimate at the timed input
+    against the time measured on the target, one marker per algorithm; on the diagonal the
+    model is right, and a candidate far off it is where its constants do not fit this device."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 6))
+    markers = dict(zip(sorted({name for t in timings for name in t.measured_us}), "osD^v<>"))
+    for name, marker in markers.items():
+        points = [(t.estimated_at_input_us[name], t.measured_us[name]) for t in timings
+                  if t.measured_us.get(name) is not None]
+        axes.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=name,
+                     alpha=0.8)
+    values = [v for t in timings for v in (*t.estimated_at_input_us.values(), *t.measured_us.values())
+              if v]
+    if values:
+        axes.plot([min(values), max(values)], [min(values), max(values)], color="black",
+                  linewidth=0.8, label="estimate = measured")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("cost model's estimate at the timed input (us)")
+    axes.set_ylabel("measured on the target (us)")
+    axes.set_title(f"Conv candidates: {len(timings)} conv shape(s)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)

@@ -102,6 +102,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                  "(needed where inputs have dynamic dims; the model stays dynamic)")
     search_cmd.add_argument("--knobs", metavar="FILE", required=True,
                             help="the knob database (JSON) to update (created if missing)")
+    search_cmd.add_argument("--plot", metavar="PNG",
+                            help="also draw each conv candidate's estimated against its measured time")
     search_cmd.add_argument("--tiles", type=int, default=12, metavar="N",
                             help="register tiles timed per kernel bucket after the conv algorithms, and the "
                                  "parallel threshold measured (default 12; 0: conv algorithms only)")
@@ -407,7 +409,7 @@ def _search(args) -> int:
 
     from tqdm import tqdm
 
-    from .algorithm_search import search_conv_algorithms, timing_table
+    from .algorithm_search import plot_timings, search_conv_algorithms, timing_table
     from .errors import DeviceError, InputError
     from .feeds import concrete_shapes, parse_shape_option
     from .frontend import declared_inputs, load_onnx
@@ -448,6 +450,8 @@ def _search(args) -> int:
                               f"the convs timed before are kept in {args.knobs}: check the device "
                               "(`tightfit devices --rpc-tracker ...`) and run the search again") from err
     changed = [t for t in timings if t.measured_choice != t.estimated_choice]
+    if args.plot:
+        plot_timings(timings, args.plot)
     tile_rows = [{"bucket": bucket, **asdict(result["knobs"]), "us": result["us"], "tried": result["tried"]}
                  for bucket, result in tiles.items()]
     threshold = KnobDatabase.open(args.knobs, target.tvm_target).min_parallel_work()
