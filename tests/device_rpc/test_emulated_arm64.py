@@ -206,10 +206,10 @@ def test_tuning_killed_with_its_device_resumes_without_losing_records(tracker, a
     model_path = tmp_path / "mlp.onnx"
     onnx.save(mlp_model, str(model_path))
     database = tmp_path / "db"
-    tuning = subprocess.Popen(_tune_command(model_path, tracker, database, 12),
+    tuning = subprocess.Popen(_tune_command(model_path, tracker, database, 6),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while recorded_trials(database) < 4 and tuning.poll() is None and time.monotonic() < deadline:
+    while recorded_trials(database) < 2 and tuning.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert tuning.poll() is None, f"tuning ended before the device was killed: {tuning.communicate()}"
     emulated.stop(KEY)  # the device dies mid-session
@@ -217,17 +217,17 @@ def test_tuning_killed_with_its_device_resumes_without_losing_records(tracker, a
     assert tuning.returncode == DeviceError.exit_code, errors
     assert f"the device under '{KEY}' is gone" in errors and "run the same command again" in errors
     kept = recorded_trials(database)
-    assert 4 <= kept < 12
+    assert 2 <= kept < 6
 
     emulated.start(KEY, tracker)
     assert devices_under(tracker, KEY) == 1
-    resumed = subprocess.run(_tune_command(model_path, tracker, database, 12),
+    resumed = subprocess.run(_tune_command(model_path, tracker, database, 6),
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
     assert report["recorded_before"] == kept
-    assert recorded_trials(database) == 12  # nothing lost, nothing measured twice
-    assert _distinct_candidates(database) == 12
+    assert recorded_trials(database) == 6  # nothing lost, nothing measured twice
+    assert _distinct_candidates(database) == 6
 
 
 def test_starting_a_second_device_under_the_key_keeps_the_first(tracker, arm64_device, tmp_path, mlp_path, capsys):
