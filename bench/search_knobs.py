@@ -2,7 +2,9 @@
 zoo models into one knob database.
 
 Each model is searched at its first shape set; a conv key or tile bucket shared by several
-models keeps the record of the last model searched. Usage (from the repository root):
+models is timed for the first model that has it, and the later ones take that record (the
+database is a cache; rerun into a fresh file to time everything again). Usage (from the
+repository root):
     .venv/bin/python bench/search_knobs.py bench/knobs/host.json resnet_style mobilenet_v2_style ...
 then compile or bench with TIGHTFIT_KNOB_DATABASE=bench/knobs/host.json.
 """

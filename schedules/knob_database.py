@@ -68,11 +68,16 @@ class KnobDatabase:
         return self.data["targets"].setdefault(self.target_key, {"tiles": {}, "rates": {}})
 
     def tile_knobs(self, kind: str, columns: int, row_extent, isa: VectorISA) -> TileKnobs | None:
-        record = self._entry()["tiles"].get(bucket_key(kind, columns, row_extent, isa))
+        record = self.bucket_record(bucket_key(kind, columns, row_extent, isa))
         if record is None:
             return None
         return TileKnobs(int(record["rows"]), int(record["vectors"]),
                          int(record.get("reduction_unroll", 1)))
+
+    def bucket_record(self, bucket: str) -> dict | None:
+        """The record of a bucket (its knobs, time and the shape it was measured at), if any."""
+        record = self._entry()["tiles"].get(bucket)
+        return None if record is None else dict(record)
 
     def rates(self) -> dict:
         return dict(self._entry()["rates"])
@@ -91,13 +96,22 @@ class KnobDatabase:
         """Loop work below which a kernel runs serially (dispatch.py); measured or default."""
         return int(self._entry().get("min_parallel_work", DEFAULT_MIN_PARALLEL_WORK))
 
+    def has_min_parallel_work(self) -> bool:
+        return "min_parallel_work" in self._entry()
+
     def record_min_parallel_work(self, work: int) -> None:
         self._entry()["min_parallel_work"] = int(work)
 
     def conv_times(self, key: str) -> dict | None:
         """Microseconds per candidate algorithm of the conv with this key, where measured."""
+        record = self.conv_record(key)
+        return None if record is None else record["us"]
+
+    def conv_record(self, key: str) -> dict | None:
+        """The conv key's record: {"us": {algorithm: microseconds or None}, "shape": the input
+        it was timed at, e.g. "1x12x16x16"}, if any."""
         record = self._entry().get("conv_algorithms", {}).get(key)
-        return None if record is None else dict(record["us"])
+        return None if record is None else {"us": dict(record["us"]), "shape": record["shape"]}
 
     def record_conv_times(self, key: str, microseconds: dict, shape: str) -> None:
         self._entry().setdefault("conv_algorithms", {})[key] = {

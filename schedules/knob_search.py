@@ -20,6 +20,9 @@ input shapes:
    knobs in use now timed within MEASURED_MARGIN of it (then those are); so is the measured
    parallel threshold (`calibrate_min_parallel_work`). Compiles read the records;
    nothing is measured during a compile. MetaSchedule records, where present, still win.
+The database is a cache: buckets that hold a record, and a recorded parallel threshold, are not
+searched again (unless `remeasure`). The buckets searched in one run take turns round by round,
+so their records are written together at the end: a search cut off there times them again.
 The kernels are compiled for the target and timed on this machine, or on a device over RPC
 (`remote`: an open connection, which loads each kernel's library cross-linked for it). The
 driver (`search`) runs tightfit's importer and pipeline, imported when called: they sit above
@@ -75,11 +78,13 @@ DEFAULT_MAX_CANDIDATES = 24
 
 def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
            max_candidates: int = DEFAULT_MAX_CANDIDATES, target="host", remote=None,
-           progress: Callable[[str], None] = lambda note: None) -> dict[str, dict]:
+           progress: Callable[[str], None] = lambda note: None,
+           remeasure: bool = False) -> dict[str, dict]:
     """Search every kernel bucket of `model` (ONNX path or proto) at `shapes` for `target`,
     timed on this machine or, with `remote` (a connection from `device_rpc.remote.connect`),
     on that device, and record the winners in `database_path`; returns {bucket: {"knobs",
-    "us", "tried"}}. `progress` hears each round as it starts."""
+    "us", "tried", "measured_before"}}, where a bucket the database already held (not searched
+    again unless `remeasure`) was tried 0 times. `progress` hears each round as it starts."""
     from ..frontend import import_onnx
     from ..target import resolve_target
 
@@ -91,9 +96,14 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
     compiled_with: dict[str, TileKnobs] = {}  # bucket -> the knobs its first kernel has now
     for bucket, func in _kernels(_schedule(imported.mod, target, database_path), isa):
         compiled_with.setdefault(bucket, _knobs_of(func))
+    results = {}
+    for bucket, knobs in compiled_with.items():
+        record = None if remeasure else database.bucket_record(bucket)
+        if record is not None:
+            results[bucket] = {"knobs": knobs, "us": record["us"], "tried": 0, "measured_before": True}
     # the knobs a compile uses now (the defaults, or an earlier record) are always measured
     candidates = {bucket: list(dict.fromkeys([knobs, *candidate_knobs(bucket, isa)]))[:max_candidates]
-                  for bucket, knobs in compiled_with.items()}
+                  for bucket, knobs in compiled_with.items() if bucket not in results}
     # bucket -> [(seconds, knobs, a timer per kernel of the bucket: kept for the knobs in use
     # now and the fastest so far, which are timed again at the end; None for the others, whose
     # libraries a device need not keep loaded)]
@@ -124,7 +134,6 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
     finally:
         scratch.unlink(missing_ok=True)
     shape_text = ";".join(f"{name}={'x'.join(map(str, dims))}" for name, dims in shapes.items())
-    results = {}
     for bucket, measured in timings.items():
         best_seconds, best, best_timers = min(measured, key=lambda entry: entry[0])
         current = next((entry for entry in measured if entry[1] == compiled_with[bucket]), None)
@@ -135,11 +144,13 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
             if current_seconds <= best_seconds * (1 + MEASURED_MARGIN):
                 best_seconds, best = current_seconds, current[1]
         database.record_bucket(bucket, best, best_seconds * 1e6, shape_text)
-        results[bucket] = {"knobs": best, "us": round(best_seconds * 1e6, 3), "tried": len(measured)}
-    progress("parallel threshold")
-    database.record_min_parallel_work(calibrate_min_parallel_work(target, remote))
+        results[bucket] = {"knobs": best, "us": round(best_seconds * 1e6, 3), "tried": len(measured),
+                           "measured_before": False}
+    if remeasure or not database.has_min_parallel_work():
+        progress("parallel threshold")
+        database.record_min_parallel_work(calibrate_min_parallel_work(target, remote))
     database.save()
-    return results
+    return {bucket: results[bucket] for bucket in compiled_with}
 
 
 def candidate_knobs(bucket: str, isa) -> list[TileKnobs]:

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
@@ -161,6 +162,37 @@ def test_search_command_writes_knobs_that_compile_uses(tmp_path, capsys):
     assert conv["measured_choice"] in conv["measured_us"] and conv["input_shape"] == [1, 12, 64]
     assert set(conv["estimated_at_input_us"]) == set(conv["measured_us"])
     assert plot.read_bytes().startswith(b"\x89PNG")
+    assert main(["search", str(model_path), "--shapes", "x=1,12,64", "--knobs", str(knobs), "--tiles", "2"]) == 0
+    assert "were in" in capsys.readouterr().out  # the same command again times nothing
     package = tmp_path / "model.tfpkg"
     assert main(["compile", str(model_path), "--knobs", str(knobs), "-o", str(package)]) == 0
     assert main(["run", str(package), "--shape", "x=1,12,50", "--check"]) == 0
+
+
+def test_a_search_again_takes_what_the_database_holds_and_remeasure_times_it_again(tmp_path):
+    """The database is a cache: the same conv key (its dynamic dims `dyn`) is not timed again, at
+    another input either, unless a candidate is missing from its record or `remeasure` is set."""
+    model, knobs = conv1d_net(), tmp_path / "knobs.json"
+    heard = []
+    (first,) = search_conv_algorithms(model, {"x": (2, 12, 40)}, knobs, progress=heard.append)
+    assert len(heard) == len(first.measured_us) > 1 and not first.measured_before
+
+    heard.clear()
+    (again,) = search_conv_algorithms(model, {"x": (1, 12, 64)}, knobs, progress=heard.append)
+    assert heard == [] and again.measured_before
+    assert again.measured_us == pytest.approx(first.measured_us, abs=1e-3)  # kept to 3 decimals
+    assert again.measured_choice == first.measured_choice
+    assert again.input_shape == (2, 12, 40)  # where the times were measured
+
+    database = KnobDatabase.open(knobs, resolve_target("host").tvm_target)
+    partial = dict(list(first.measured_us.items())[:1])
+    database.record_conv_times(first.key, partial, "2x12x40")
+    database.save()
+    (completed,) = search_conv_algorithms(model, {"x": (1, 12, 64)}, knobs, progress=heard.append)
+    assert len(heard) == len(first.measured_us) and not completed.measured_before
+    assert set(completed.measured_us) == set(first.measured_us) and completed.input_shape == (1, 12, 64)
+
+    heard.clear()
+    (remeasured,) = search_conv_algorithms(model, {"x": (1, 12, 64)}, knobs, progress=heard.append,
+                                           remeasure=True)
+    assert len(heard) == len(first.measured_us) and not remeasured.measured_before

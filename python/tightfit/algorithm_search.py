@@ -15,9 +15,13 @@ this search replaces the guess by measurement, for one model at the input shapes
    (PipelineOptions.conv_algorithms), with the knob database's tiles.
 3. Each package is timed whole on the target (Session.time_run: the VM's timer, on this machine
    or on a device over RPC), so a candidate's extra kernels and their launches count.
-4. The times go to the knob database under the conv's key; a candidate that fails to compile or
-   run is recorded as failed and is never chosen. SelectConvAlgorithm then ranks the measured
-   candidates by time (conv_cost.with_measurements), its workspace limit still applying.
+4. The times go to the knob database under the conv's key, saved after each conv; a candidate
+   that fails to compile or run is recorded as failed and is never chosen. SelectConvAlgorithm
+   then ranks the measured candidates by time (conv_cost.with_measurements), its workspace
+   limit still applying.
+The database is a cache: a conv key whose record already times every candidate is not timed
+again (unless `remeasure`), so a search cut off midway, or run again for another model with
+convs of the same keys, times only what is missing.
 Limits: a conv whose input dims depend on values known only at run time (after NonZero) is not
 timed and keeps the model's choice; a symbolic dim is timed at the given extent only; a conv is
 timed alone, without its epilogue and with its input in cache.
@@ -63,15 +67,18 @@ class ConvTiming:
     measured_us: dict[str, float | None] = field(default_factory=dict)  # None: failed there
     measured_choice: str | None = None  # SelectConvAlgorithm's, given the times (no budget)
     errors: dict[str, str] = field(default_factory=dict)
+    measured_before: bool = False  # the times are the database's, from an earlier search
 
 
 def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_path: str | Path,
                            target="host", remote=None,
-                           progress: Callable[[str], None] = lambda note: None) -> list[ConvTiming]:
+                           progress: Callable[[str], None] = lambda note: None,
+                           remeasure: bool = False) -> list[ConvTiming]:
     """Time the candidates of every conv of `model` (an ONNX path or proto) at `shapes` on
     `target`, on this machine or, with `remote` (a connection from `device_rpc.remote.connect`),
-    on that device, and record them in the knob database at `database_path`. `progress` hears
-    each candidate as it is compiled."""
+    on that device, and record them in the knob database at `database_path`. Convs the
+    database already times are taken from it, unless `remeasure`. `progress` hears each
+    candidate as it is compiled."""
     compile_target = resolve_target(target)
     imported = import_onnx(model)
     database = KnobDatabase.open(database_path, compile_target.tvm_target)
@@ -98,6 +105,13 @@ def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_p
             timings[key] = (ConvTiming(key, input_shape, 1, estimated, choose(candidates, None).name,
                                        at_input), candidates, call)
     for timing, candidates, call in timings.values():
+        recorded = None if remeasure else database.conv_record(timing.key)
+        if recorded is not None and set(timing.estimated_us) <= set(recorded["us"]):
+            timing.measured_us = {name: recorded["us"][name] for name in timing.estimated_us}
+            timing.input_shape = tuple(int(dim) for dim in recorded["shape"].split("x"))
+            timing.measured_choice = choose(with_measurements(candidates, timing.measured_us), None).name
+            timing.measured_before = True
+            continue
         conv_model, feeds = cut_out_conv(call, timing.input_shape)
         sessions = {}
         for algorithm in timing.estimated_us:
@@ -189,7 +203,8 @@ def timing_table(timings: list[ConvTiming]) -> str:
     for timing in timings:
         cells = ", ".join(f"{name} " + ("failed" if us is None else f"{us:.1f}")
                           for name, us in timing.measured_us.items())
-        lines.append(f"| {timing.key} | {'x'.join(map(str, timing.input_shape))} | {timing.convs} | "
+        timed_at = "x".join(map(str, timing.input_shape)) + (" (earlier)" if timing.measured_before else "")
+        lines.append(f"| {timing.key} | {timed_at} | {timing.convs} | "
                      f"{cells} | {timing.estimated_choice} | {timing.measured_choice or '-'} |")
     return "\n".join(lines)
 

@@ -107,6 +107,9 @@ def _build_parser() -> argparse.ArgumentParser:
     search_cmd.add_argument("--tiles", type=int, default=12, metavar="N",
                             help="register tiles timed per kernel bucket after the conv algorithms, and the "
                                  "parallel threshold measured (default 12; 0: conv algorithms only)")
+    search_cmd.add_argument("--remeasure", action="store_true",
+                            help="time again what the knob database already holds (default: keep it and "
+                                 "time only what is missing, so a search cut off midway goes on)")
     _add_rpc_options(search_cmd)
     search_cmd.set_defaults(handler=_search)
 
@@ -440,25 +443,34 @@ def _search(args) -> int:
             bar.update(1)
 
         try:
-            timings = search_conv_algorithms(args.model, shapes, args.knobs, target, remote, progress)
-            tiles = (knob_search.search(args.model, args.knobs, shapes, args.tiles, target, remote, progress)
+            timings = search_conv_algorithms(args.model, shapes, args.knobs, target, remote, progress,
+                                             args.remeasure)
+            tiles = (knob_search.search(args.model, args.knobs, shapes, args.tiles, target, remote, progress,
+                                        args.remeasure)
                      if args.tiles > 0 else {})
         except RuntimeError as err:  # TVM's RPC errors: the device failed or went away
             if remote is None:
                 raise
             raise DeviceError(f"timing on {args.rpc_key!r} failed: {str(err).strip().splitlines()[-1]}; "
                               f"the convs timed before are kept in {args.knobs}: check the device "
-                              "(`tightfit devices --rpc-tracker ...`) and run the search again") from err
+                              "(`tightfit devices --rpc-tracker ...`) and run the same command again, which "
+                              "times only what is missing") from err
     changed = [t for t in timings if t.measured_choice != t.estimated_choice]
     if args.plot:
         plot_timings(timings, args.plot)
-    tile_rows = [{"bucket": bucket, **asdict(result["knobs"]), "us": result["us"], "tried": result["tried"]}
+    tile_rows = [{"bucket": bucket, **asdict(result["knobs"]), "us": result["us"], "tried": result["tried"],
+                  "measured_before": result["measured_before"]}
                  for bucket, result in tiles.items()]
     threshold = KnobDatabase.open(args.knobs, target.tvm_target).min_parallel_work()
     data = {"knobs": args.knobs, "convs": [asdict(t) for t in timings], "tiles": tile_rows,
             "min_parallel_work": threshold if tiles else None}
-    text = timing_table(timings) + f"\n\n{len(timings)} conv shape(s) timed, {len(changed)} choice(s) differ " \
+    earlier_convs = sum(t.measured_before for t in timings)
+    earlier_buckets = sum(r["measured_before"] for r in tiles.values())
+    text = timing_table(timings) + f"\n\n{len(timings)} conv shape(s), {len(changed)} choice(s) differ " \
                                     "from the cost model's"
+    if earlier_convs or earlier_buckets:
+        text += (f"\n{earlier_convs} conv shape(s) and {earlier_buckets} tile bucket(s) were in {args.knobs} "
+                 "already and were not timed again (--remeasure times them again)")
     if tiles:
         text += "\n\n" + format_table(tile_rows) + f"\n\nparallel threshold: {threshold} loop iterations"
     _emit(args, data, text + f"\n\nrecorded in {args.knobs}: compile with "

@@ -98,3 +98,16 @@ def test_width_vector_candidates_put_tiles_that_fit_the_channels_first():
     assert all(AVX512.fits_registers(c.rows, c.vectors) for c in candidates)
     order = [(c.rows, c.vectors) for c in candidates]
     assert order.index((8, 1)) < order.index((15, 1)) and order.index((4, 2)) < order.index((7, 2))
+
+
+def test_buckets_the_database_holds_are_not_searched_again_unless_remeasured(tmp_path):
+    database, model, shapes = tmp_path / "knobs.json", dense_model(40), {"x": (37, 24)}
+    first = search(model, database, shapes, max_candidates=2)
+    heard = []
+    again = search(model, database, shapes, max_candidates=2, progress=heard.append)
+    assert heard == []  # no tile rounds, and the recorded parallel threshold is kept
+    (bucket,) = first
+    assert again[bucket] == {**first[bucket], "tried": 0, "measured_before": True}
+    remeasured = search(model, database, shapes, max_candidates=2, progress=heard.append, remeasure=True)
+    assert remeasured[bucket]["tried"] == 2 and not remeasured[bucket]["measured_before"]
+    assert "parallel threshold" in heard
