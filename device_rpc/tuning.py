@@ -157,8 +157,10 @@ def import_tensor_intrinsics() -> None:
     and walks all of `sys.modules` (2,000 modules with TVM loaded) again, ~18,000 times in all.
     Naming those frames' modules in inspect's file cache lets it answer from the cache.
     """
-    for frozen in ("importlib._bootstrap", "importlib._bootstrap_external"):
-        inspect.modulesbyfile[inspect.getabsfile(inspect, f"<frozen {frozen}>")] = frozen
+    file_cache = getattr(inspect, "modulesbyfile", None)  # CPython's, not a documented API
+    if file_cache is not None:
+        for frozen in ("importlib._bootstrap", "importlib._bootstrap_external"):
+            file_cache[inspect.getabsfile(inspect, f"<frozen {frozen}>")] = frozen
     import tvm.s_tir.tensor_intrin  # noqa: F401
 
 
