@@ -16,7 +16,7 @@ input shapes:
    pipeline run serves all buckets), builds each kernel's PrimFunc alone and times it at the
    given shapes on the target (TVM's time_evaluator: median of REPEAT runs of NUMBER calls).
 4. The fastest candidate of each bucket is timed again against the knobs in use now, the two
-   taking turns (`_interleaved_seconds`), and recorded with its time and shape unless the
+   taking turns (`interleaved_medians`), and recorded with its time and shape unless the
    knobs in use now timed within MEASURED_MARGIN of it (then those are); so is the measured
    parallel threshold (`calibrate_min_parallel_work`). Compiles read the records;
    nothing is measured during a compile. MetaSchedule records, where present, still win.
@@ -74,6 +74,7 @@ UNROLL = 4
 NUMBER = 20
 REPEAT = 5
 DEFAULT_MAX_CANDIDATES = 24
+CONFIRMATION_ROUNDS = 5  # the best tile against the one in use now, at the end
 
 
 def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
@@ -138,7 +139,9 @@ def search(model, database_path: str | Path, shapes: dict[str, tuple[int, ...]],
         best_seconds, best, best_timers = min(measured, key=lambda entry: entry[0])
         current = next((entry for entry in measured if entry[1] == compiled_with[bucket]), None)
         if current is not None and best != current[1]:
-            best_seconds, current_seconds = _interleaved_seconds([best_timers, current[2]])
+            best_seconds, current_seconds = interleaved_medians(
+                [lambda timers=timers: sum(timer() for timer in timers) for timers in (best_timers, current[2])],
+                CONFIRMATION_ROUNDS)
             # as for conv algorithms (conv_cost.MEASURED_MARGIN): near-ties are noise, and the
             # knobs in use now stay unless another tile is clearly faster
             if current_seconds <= best_seconds * (1 + MEASURED_MARGIN):
@@ -183,17 +186,15 @@ def candidate_knobs(bucket: str, isa) -> list[TileKnobs]:
     return [TileKnobs(rows, vectors, unroll) for rows, vectors in tiles for unroll in unrolls]
 
 
-CONFIRMATION_ROUNDS = 5
-
-
-def _interleaved_seconds(timer_sets: list[list]) -> list[float]:
-    """For each set of kernel timers, the median over CONFIRMATION_ROUNDS of their summed
-    times, the sets taking turns: the search's rounds run minutes apart, and this machine's
-    drift between them was as large as the differences between a bucket's best tiles."""
-    samples = [[] for _ in timer_sets]
-    for _ in range(CONFIRMATION_ROUNDS):
-        for timers, values in zip(timer_sets, samples):
-            values.append(sum(timer() for timer in timers))
+def interleaved_medians(measures: list[Callable[[], float]], rounds: int) -> list[float]:
+    """The median over `rounds` of each measurement (seconds), the measurements taking turns so
+    that this machine's drift hits all alike: the search's rounds run minutes apart, and the
+    drift between them was as large as the differences between a bucket's best tiles (and,
+    timed one after another, a 3x3 conv's two fastest algorithms swapped places)."""
+    samples = [[] for _ in measures]
+    for _ in range(rounds):
+        for measure, values in zip(measures, samples):
+            values.append(measure())
     return [statistics.median(values) for values in samples]
 
 

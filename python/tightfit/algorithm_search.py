@@ -29,7 +29,6 @@ timed alone, without its epilogue and with its input in cache.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,7 @@ from .passes.select_conv_algorithm import ConvCosting, convs_to_choose
 from .pipeline import PipelineOptions, run_pipeline
 from .schedules.conv_cost import Candidate, ConvShape, candidate_costs, choose, with_measurements
 from .schedules.knob_database import KnobDatabase
-from .schedules.knob_search import symbol_values
+from .schedules.knob_search import interleaved_medians, symbol_values
 from .target import resolve_target
 
 # each candidate's time: the median of TIMING_ROUNDS turns of at least TIMING_MIN_REPEAT_MS each
@@ -121,7 +120,10 @@ def search_conv_algorithms(model, shapes: dict[str, tuple[int, ...]], database_p
                                                          database_path, remote)
             except CompilationError as err:
                 timing.errors[algorithm] = str(err)
-        seconds = _interleaved_seconds(sessions, feeds)
+        medians = interleaved_medians(
+            [lambda session=session: session.time_run(feeds, repeat=1, min_repeat_ms=TIMING_MIN_REPEAT_MS)[0]
+             for session in sessions.values()], TIMING_ROUNDS)
+        seconds = dict(zip(sessions, medians))
         timing.measured_us = {name: seconds[name] * 1e6 if name in seconds else None
                               for name in timing.estimated_us}
         timing.measured_choice = choose(with_measurements(candidates, timing.measured_us), None).name
@@ -165,18 +167,6 @@ def _candidate_session(conv_model: onnx.ModelProto, algorithm: str, target, data
     package = tightfit_compile(conv_model, target, options=PipelineOptions(
         conv_algorithms=(algorithm,), knob_database=str(database_path)))
     return package.session_on(remote) if remote is not None else package.session()
-
-
-def _interleaved_seconds(sessions: dict, feeds: dict) -> dict[str, float]:
-    """Median seconds of a whole run of each session, the sessions taking turns in
-    TIMING_ROUNDS rounds (each turn TIMING_MIN_REPEAT_MS of runs) so that the machine's drift
-    hits all alike: timed one after another, a 3x3 conv's two fastest kernels swapped places
-    between two searches on this host."""
-    samples: dict[str, list[float]] = {name: [] for name in sessions}
-    for _ in range(TIMING_ROUNDS):
-        for name, session in sessions.items():
-            samples[name] += session.time_run(feeds, repeat=1, min_repeat_ms=TIMING_MIN_REPEAT_MS)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _concrete(dims, extents: dict[str, int]) -> tuple[int, ...] | None:
