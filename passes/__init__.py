@@ -2,6 +2,7 @@
 
 from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
+from .fold_constants_on_host import FoldConstantsOnHost
 from .keep_reshapes_as_views import KeepReshapesAsViews, legalize_views
 from .lower_nonzero import LowerNonZero
 from .pretransform_weights import PreTransformWeights
@@ -15,6 +16,7 @@ from .use_fast_math import UseFastMath
 __all__ = [
     "ClassifyDynamism",
     "FoldBatchNorm",
+    "FoldConstantsOnHost",
     "KeepReshapesAsViews",
     "LowerNonZero",
     "PreTransformWeights",

@@ -21,6 +21,7 @@ from .errors import CompilationError
 from .passes import (
     ClassifyDynamism,
     FoldBatchNorm,
+    FoldConstantsOnHost,
     KeepReshapesAsViews,
     LowerNonZero,
     PreTransformWeights,
@@ -65,6 +66,9 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         tvm.transform.Sequential([relax.transform.ConvertToDataflow()], name="ConvertToDataflow"),
         FoldBatchNorm(),
         relax.transform.DecomposeOpsForInference(),
+        # constants folded with numpy where it computes what the kernel would; the rest by TVM,
+        # which compiles each call (tens of ms apiece)
+        FoldConstantsOnHost(),
         relax.transform.FoldConstant(),
         ClassifyDynamism(),
         RankDimensionPropagation(),
