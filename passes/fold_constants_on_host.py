@@ -16,6 +16,9 @@ by the constant at every use, so chains fold in one walk. Everything else is lef
 FoldConstant, which runs next: ops whose last bits depend on the math library (exp, pow),
 sums (their order rounds), integer division by zero, and ops not in EVALUATORS. The shape of a
 tensor of static shape (`shape_of`) is folded too: shape computations start from it.
+Limit: values that reach a call through `match_cast` or `vm.builtin.tensor_to_shape` (shapes
+computed as tensors, then bound to symbolic dims, as in ONNX Attention's causal mask) are not
+followed.
 """
 
 from __future__ import annotations
