@@ -10,12 +10,16 @@ symbolic batch, height, width and sequence.
 
 import re
 
+import numpy as np
+import onnx
 import pytest
 import tvm
+from onnx import TensorProto, helper, numpy_helper
 from tvm import s_tir, tirx
 
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import run_pipeline
+from tightfit.schedules.register_tile import ROW_TILES_OUTER_MAX_WEIGHT_BYTES
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
 
@@ -38,10 +42,31 @@ def tile_indices(func: tirx.PrimFunc) -> dict[str, set[str]]:
     return indices
 
 
-@pytest.mark.parametrize("model", ["conv_dynamic_hw", "mobilenet_v2_style", "mobilenet_v2", "resnet_style",
-                                   "transformer_encoder"])
+def wide_head() -> onnx.ModelProto:
+    """MobileNetV2's last layers at a fraction of its compile time: pointwise convs 32 -> 320 ->
+    256 (a 320 KB weight) and a 256 -> 1000 classifier (1 MB), past
+    ROW_TILES_OUTER_MAX_WEIGHT_BYTES, so their tiles run column panels outermost."""
+    rng = np.random.default_rng(0)
+    weights = {"w1": (320, 32, 1, 1), "w2": (256, 320, 1, 1), "fc": (1000, 256)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"]), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["b"]), helper.make_node("GlobalAveragePool", ["b"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]), helper.make_node("Gemm", ["f", "fc"], ["y"], transB=1)]
+    graph = helper.make_graph(
+        nodes, "wide_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 32, "height", "width"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1000])],
+        [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.1, name)
+         for name, shape in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+MODELS = {name: lambda name=name: zoo.get(name).build()
+          for name in ["conv_dynamic_hw", "mobilenet_v2_style", "resnet_style", "transformer_encoder"]}
+MODELS["wide_head"] = wide_head
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
 def test_accumulator_tiles_sit_at_constant_offsets(model):
-    scheduled, _ = run_pipeline(import_onnx(zoo.get(model).build()).mod, resolve_target("host"),
+    scheduled, _ = run_pipeline(import_onnx(MODELS[model]()).mod, resolve_target("host"),
                                 stop_after="tightfit.FallbackCPUSchedule")
     kernels = {global_var.name_hint: func for global_var, func in scheduled.functions.items()
                if isinstance(func, tirx.PrimFunc) and "tightfit.kernel" in func.script()}
@@ -50,3 +75,16 @@ def test_accumulator_tiles_sit_at_constant_offsets(model):
         for tile, indices in tile_indices(func).items():
             moving = sorted(index for index in indices if NOT_CONSTANT_OFFSET.search(index))
             assert not moving, f"{name}: {tile} is indexed at a run-time offset: {moving[0]}"
+
+
+def test_wide_head_kernels_run_column_panels_outermost():
+    """The case above that covers the panels-outermost loop order does reach it."""
+    scheduled, _ = run_pipeline(import_onnx(wide_head()).mod, resolve_target("host"),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    wide = [func.script() for func in scheduled.functions.values() if isinstance(func, tirx.PrimFunc)
+            and any(int(size) > ROW_TILES_OUTER_MAX_WEIGHT_BYTES
+                    for size in re.findall(r'"tightfit.weight_bytes": (\d+)', func.script()))]
+    assert len(wide) == 2  # the 320 -> 256 conv and the classifier
+    for text in wide:
+        # a parallel loop over the panels alone (the classifier), or over images then panels
+        assert re.search(r"in T\.parallel\((T\.int64\(\d+\)|batch \* T\.int64\(\d+\))\)", text)
