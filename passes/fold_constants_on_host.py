@@ -61,6 +61,8 @@ def _reduce(function: Callable) -> Callable:
 
 
 def _int_only(function: Callable) -> Callable:
+    """`function` on integers only: numpy's float floor division and remainder are computed
+    through fmod and may differ in the last bit from TVM's floor(a / b)."""
     return lambda call, a, b: function(a, b) if a.dtype.kind in "iu" else None
 
 
