@@ -10,7 +10,7 @@ from pathlib import Path
 
 import onnx
 import tvm
-from tvm import relax, tirx
+from tvm import tirx
 
 from .errors import CompilationError, CorruptPackageError, PackageError, StalePackageError
 from .frontend import import_onnx
@@ -18,6 +18,7 @@ from .package import Package, SourceModel, load_package, read_manifest
 from .passes.share_symbolic_storage import STORAGE_BYTES_ATTR
 from .pipeline import BUILD_CONFIG, PipelineOptions, codegen_target, fresh_outputs, run_pipeline, split_weights
 from .target import resolve_target
+from .vm_code import build_executable
 
 
 def compile(  # noqa: A001 - the name users expect, as tvm.compile
@@ -46,8 +47,7 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
     build_started = time.perf_counter()
     try:
         with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
-            executable = relax.build(lowered, codegen_target(compile_target, options),
-                                     relax_pipeline=None)
+            executable = build_executable(lowered, codegen_target(compile_target, options))
     except Exception as err:  # TVM's C++ errors
         raise CompilationError(f"code generation failed: {str(err).strip().splitlines()[-1]}") from err
     pass_times.append({"pass": "build", "seconds": round(time.perf_counter() - build_started, 4)})
