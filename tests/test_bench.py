@@ -20,6 +20,10 @@ def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
     assert set(result.peak_rss_mb) == {"tightfit", "onnxruntime", "tvm-default"}
     table = markdown_table([result])
     assert table.count("| mlp |") == 3  # two shapes and the memory row
+    ratios = [result.ratio(timing, "onnxruntime") for timing in result.shapes]
+    geomean = (ratios[0] * ratios[1]) ** 0.5
+    assert f"tightfit/onnxruntime: geomean {geomean:.3g}x over 2 shapes of 1 models" in table
+    assert f"mlp at x={'1x8' if ratios[0] >= ratios[1] else '7x8'}, {max(ratios):.3g}x" in table
 
 
 def test_warm_up_runs_until_its_time_is_spent_and_at_least_once():
