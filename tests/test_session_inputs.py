@@ -58,15 +58,25 @@ def test_wrong_feeds_after_checked_ones_are_still_rejected(mlp_package, wrong, m
         session.run(wrong)
 
 
-def test_an_array_fed_again_is_read_as_it_is_now(mlp_model, mlp_package):
-    """The session reuses its view of the array fed last (session._views): values written into
-    the array since are what the next run reads, and another array gets a view of its own."""
+def _array(shape: tuple[int, ...], viewable: bool) -> np.ndarray:
+    """An array TVM can view (64-byte aligned), or one it cannot (4 bytes off), which the
+    session copies into a staging buffer."""
+    if viewable:
+        return aligned_empty(shape, np.float32)
+    return aligned_empty((int(np.prod(shape)) + 1,), np.float32)[1:].reshape(shape)
+
+
+@pytest.mark.parametrize("viewable", [True, False])
+def test_an_array_fed_again_is_read_as_it_is_now(mlp_model, mlp_package, viewable):
+    """The session places the arrays fed last as it did then (session._placed: the same view,
+    or a copy into the same buffer): values written into an array since are what the next run
+    reads, and another array is placed anew."""
     session = mlp_package.session()
     rng = np.random.default_rng(3)
-    x, other = aligned_empty((3, 8), np.float32), aligned_empty((3, 8), np.float32)
+    x, other = _array((3, 8), viewable), _array((3, 8), viewable)
     for array in (x, other):
         array[:] = rng.standard_normal((3, 8))
-    for feeds in ({"x": x}, {"x": x}, {"x": other}):
+    for feeds in ({"x": x}, {"x": x}, {"x": other}, {"x": x}):
         np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(mlp_model, feeds)["y"],
                                    rtol=1e-5, atol=1e-5)
     x[:] = rng.standard_normal((3, 8))
@@ -76,3 +86,16 @@ def test_an_array_fed_again_is_read_as_it_is_now(mlp_model, mlp_package):
     expected_after = run_onnxruntime(mlp_model, {"x": x})["y"]
     np.testing.assert_allclose(session.run({"x": x})["y"], expected_after, rtol=1e-5, atol=1e-4)
     assert not np.allclose(expected, expected_after)
+
+
+@pytest.mark.parametrize("viewable", [True, False])
+def test_the_array_of_the_last_run_is_checked_again_once_it_changes(mlp_package, viewable):
+    session = mlp_package.session()
+    x = _array((3, 8), viewable)
+    x[:] = 1.0
+    session.run({"x": x})
+    with pytest.raises(InputError, match=r"unknown \['extra'\]"):
+        session.run({"x": x, "extra": x})
+    x.shape = (6, 4)  # the same array, reshaped in place
+    with pytest.raises(InputError, match="axis 1 is fixed at 8"):
+        session.run({"x": x})
