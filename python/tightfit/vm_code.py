@@ -4,7 +4,7 @@ TVM's Relax VM runs a function either as bytecode, each instruction decoded and 
 its interpreter, or as native code (`exec_mode="compiled"`: VMTIRCodeGen writes the function as
 a TIR function that calls the builtins and the kernels directly). The interpreter's dispatch,
 register moves and packed-call wrapping cost about 0.1 us per instruction, and a small model
-runs a few hundred of them (allocations, shape builtins, releases) around a few dozen kernels:
+runs 90-170 of them (allocations, shape builtins, releases) around 15-30 kernels:
 in one process, two threads, nonzero_gather at 4x12 ran 12.4 us as bytecode and 6.9 us native,
 if_different_shapes 5.2 -> 3.0 us, transformer_encoder at 1x5 tokens 35.9 -> 27.7 us,
 resnet_style at 1x3x32x32 195 -> 191 us.
