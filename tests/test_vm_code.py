@@ -7,6 +7,7 @@ from tvm import relax
 import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.profiling import _kernel_library
+from tightfit.session import _flatten
 from tightfit.testing import zoo
 from tightfit.vm_code import interpreted
 
@@ -42,13 +43,10 @@ def test_native_main_and_its_bytecode_copy_agree_with_onnxruntime_on_both_branch
             # native code calls its kernels directly: only the bytecode's calls pass the VM
             assert bool(kernels) == (function != "main")
             outputs[function] = vm[function](*arguments)
-        native, bytecode = (_as_arrays(outputs[f]) for f in ("main", interpreted("main")))
+        native, bytecode = ([value.numpy() for value in _flatten(outputs[f])]
+                            for f in ("main", interpreted("main")))
+        assert len(native) == len(bytecode) == len(expected)
         for name, want, got, again in zip(expected, expected.values(), native, bytecode):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
             np.testing.assert_array_equal(again, got)
 
-
-def _as_arrays(value) -> list[np.ndarray]:
-    if isinstance(value, tvm.runtime.Tensor):
-        return [value.numpy()]
-    return [array for item in value for array in _as_arrays(item)]

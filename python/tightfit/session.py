@@ -58,7 +58,7 @@ class Session:
 
     @property
     def input_names(self) -> list[str]:
-        return [spec.name for spec in self.package.inputs]
+        return list(self._input_names)
 
     @property
     def output_names(self) -> list[str]:
@@ -90,7 +90,7 @@ class Session:
         if self._on_host:
             return [self._host_input(name, feeds[name]) for name in self._input_names]
         return [tvm.runtime.tensor(np.asarray(feeds[name], order="C"), self.device)
-                for name in self.input_names]
+                for name in self._input_names]
 
     def _host_input(self, name: str, array: np.ndarray) -> tvm.runtime.Tensor:
         """A view of `array` when TVM can take one, else a copy into this session's aligned
