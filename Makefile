@@ -20,8 +20,9 @@ example: $(INSTALLED)
 	$(BIN)/tightfit run out/convnet_dynamic.tfpkg --reference $(EXAMPLE) --shape image=1,3,96,96 --check
 	$(BIN)/tightfit run out/convnet_dynamic.tfpkg --reference $(EXAMPLE) --shape image=4,3,160,128 --check
 
+# one pytest worker per CPU: most tests compile a model, which keeps one core busy
 test: $(INSTALLED)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n logical --dist loadgroup
 
 bench: $(INSTALLED)
 	$(BIN)/tightfit bench --zoo --out bench/results

@@ -27,7 +27,9 @@ from tightfit.pipeline import run_pipeline
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
 
-pytestmark = pytest.mark.slow
+# one pytest worker runs every device test: they share the RPC tracker's port range and the
+# emulated device's key
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rpc_devices")]
 KEY = "emulated-arm64-test"
 
 

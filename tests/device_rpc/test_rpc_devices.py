@@ -17,6 +17,8 @@ from tightfit.device_rpc.tuning import recorded_trials
 from tightfit.errors import DeviceError, TargetError
 from tightfit.target import resolve_target
 
+pytestmark = pytest.mark.xdist_group("rpc_devices")  # see test_emulated_arm64.py
+
 
 @pytest.fixture(scope="module")
 def x86_server(tracker):

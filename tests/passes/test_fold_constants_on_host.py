@@ -74,6 +74,11 @@ def test_binary_ops_fold_to_what_the_compiled_kernel_computes(data, name, dtype)
     ours, theirs = folded_by_both(lambda: BINARY[name](relax.const(a, dtype), relax.const(b, dtype)))
     assert ours is not None, f"{name} on {dtype} was not folded"
     assert ours.dtype == theirs.dtype
+    if name == "multiply" and b.ndim == 0 and b == 0:
+        # TVM's simplifier rewrites x * 0.0 to 0.0 where the zero is a 0-d constant, so its fold
+        # of inf * 0.0 is 0; the host fold keeps IEEE's nan, which onnxruntime computes too
+        np.testing.assert_array_equal(ours, a * b)
+        return
     np.testing.assert_array_equal(ours, theirs)
 
 
