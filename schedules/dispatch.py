@@ -88,14 +88,15 @@ def parallel_buckets(work, min_parallel_work: int) -> list[tuple[bool, object]]:
     return [(True, work >= min_parallel_work), (False, None)]
 
 
-def loop_work(func: tirx.PrimFunc, mac_kernels: frozenset[str] = frozenset()):
-    """Innermost iterations of `func`'s top-level loop nests, summed, those of a block whose
-    kernel kind is in `mac_kernels` divided by MAC_WORK_DIVISOR; None when a loop extent
-    depends on something other than the parameters' shapes (a data-dependent loop)."""
+def loop_work(sch: s_tir.Schedule, mac_kernels: frozenset[str] = frozenset()):
+    """Innermost iterations of the top-level loop nests of the function `sch` schedules, summed,
+    those of a block whose kernel kind is in `mac_kernels` divided by MAC_WORK_DIVISOR; None
+    when a loop extent depends on something other than the parameters' shapes (a
+    data-dependent loop)."""
+    func = sch.mod["main"]
     shape_vars = [var for param in func.params if hasattr(param, "shape")
                   for dim in param.shape for var in tirx.analysis.undefined_vars(dim)]
     shape_vars += [param for param in func.params if not hasattr(param, "shape")]
-    sch = s_tir.Schedule(func)
     total = tirx.const(0, "int64")
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         nest = tirx.const(1, "int64")

@@ -48,20 +48,18 @@ class FallbackCPUSchedule:
         min_parallel_work = KnobDatabase.open(self.knob_database, target).min_parallel_work()
         mod = mod.clone()
         for global_var, func in list(mod.functions.items()):
-            # Library kernels (sort, scan) are one opaque block, not a root with loop nests.
-            if isinstance(func, tirx.PrimFunc) and not _is_scheduled(func) and _has_root_block(func):
+            if isinstance(func, tirx.PrimFunc) and not is_scheduled(func) and has_root_block(func):
                 mod[global_var] = schedule_prim_func(func, min_parallel_work)
         return mod
 
 
 def schedule_prim_func(func: tirx.PrimFunc,
                        min_parallel_work: int = DEFAULT_MIN_PARALLEL_WORK) -> tirx.PrimFunc:
-    schedule = s_tir.Schedule(func)
-    _inline_injective_blocks(schedule)
-    inlined = schedule.mod["main"]
+    inlined = s_tir.Schedule(func)
+    _inline_injective_blocks(inlined)
     versions = []
     for parallel, condition in parallel_buckets(loop_work(inlined), min_parallel_work):
-        schedule = s_tir.Schedule(inlined)
+        schedule = inlined.copy()  # a copy costs far less than a new Schedule's analysis
         if parallel:
             parallelize_outer_loops(schedule)
         fuse_contiguous_reduction_loops(schedule)
@@ -234,9 +232,11 @@ def _is_empty(extent) -> bool:
     return isinstance(extent, tirx.IntImm) and extent.value == 0
 
 
-def _has_root_block(func: tirx.PrimFunc) -> bool:
+def has_root_block(func: tirx.PrimFunc) -> bool:
+    """Whether `func` is loop nests under a root block (library kernels such as sort and scan
+    are one opaque block instead)."""
     return isinstance(func.body, s_tir.SBlockRealize) and func.body.block.name_hint == "root"
 
 
-def _is_scheduled(func: tirx.PrimFunc) -> bool:
+def is_scheduled(func: tirx.PrimFunc) -> bool:
     return func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))

@@ -8,13 +8,14 @@ import math
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from tvm import tirx
+from tvm import s_tir, tirx
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.dispatch import MAC_WORK_DIVISOR, loop_work
+from tightfit.schedules.fallback_cpu import has_root_block
 from tightfit.schedules.knob_search import calibrate_min_parallel_work
 from tightfit.schedules.register_tile import KERNEL_ANNOTATION
 from tightfit.schedules.schedule_kernels import MAC_KERNELS, find_kernel_block
@@ -43,26 +44,27 @@ def knob_database(tmp_path, threshold: int) -> str:
     return str(path)
 
 
-def conv_kernel_before_scheduling():
+def conv_kernel_before_scheduling() -> s_tir.Schedule:
     mod, _ = run_pipeline(import_onnx(static_conv_model()).mod, resolve_target("host"),
                           PipelineOptions(), stop_after="DeadCodeElimination")
-    found = [func for func in mod.functions.values()
-             if isinstance(func, tirx.PrimFunc) and find_kernel_block(func) is not None]
+    found = [s_tir.Schedule(func) for func in mod.functions.values()
+             if isinstance(func, tirx.PrimFunc) and has_root_block(func)]
+    found = [sch for sch in found if find_kernel_block(sch) is not None]
     assert len(found) == 1
     return found[0]
 
 
 def test_a_register_tiled_convs_macs_count_a_fraction_of_its_loop_work():
-    func = conv_kernel_before_scheduling()
-    assert str(find_kernel_block(func)[1][KERNEL_ANNOTATION]) in MAC_KERNELS
-    unweighted, weighted = int(loop_work(func)), int(loop_work(func, MAC_KERNELS))
+    kernel = conv_kernel_before_scheduling()
+    assert str(find_kernel_block(kernel)[1][KERNEL_ANNOTATION]) in MAC_KERNELS
+    unweighted, weighted = int(loop_work(kernel)), int(loop_work(kernel, MAC_KERNELS))
     assert unweighted - weighted == MACS - MACS // MAC_WORK_DIVISOR
 
 
 @pytest.mark.parametrize("side", ["below", "above"])
 def test_a_conv_runs_serially_exactly_when_its_weighted_work_is_below_the_threshold(tmp_path, side):
-    func = conv_kernel_before_scheduling()
-    unweighted, weighted = int(loop_work(func)), int(loop_work(func, MAC_KERNELS))
+    kernel = conv_kernel_before_scheduling()
+    unweighted, weighted = int(loop_work(kernel)), int(loop_work(kernel, MAC_KERNELS))
     # between the two counts, only the weighting can send the kernel to one thread
     threshold = (weighted + unweighted) // 2 if side == "below" else weighted
     options = PipelineOptions(knob_database=knob_database(tmp_path, threshold))
