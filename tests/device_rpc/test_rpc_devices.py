@@ -32,6 +32,15 @@ def x86_server(tracker):
     stop_process_group(server.pid)
 
 
+def test_device_tests_stay_on_one_pytest_worker(request):
+    """Under `make test` (pytest-xdist, --dist loadgroup) xdist marks every device test with its
+    group; a pytest that drops the mark (pytest-dev/pytest-xdist#1386) would spread the device
+    tests over the workers, where they stop each other's devices."""
+    if not request.config.getoption("loadgroup", False):
+        pytest.skip("not run by pytest-xdist with --dist loadgroup")
+    assert request.node.nodeid.endswith("@rpc_devices")
+
+
 def test_every_preset_is_a_valid_arm64_target():
     assert {"emulated-arm64", "raspberry-pi-5", "pixel-8"} <= set(preset_names())
     for name in preset_names():
