@@ -44,6 +44,20 @@ DEFAULT_GEMM_EFFICIENCY = 0.6
 # vector wide or more, conv2d_direct 60-105 GFLOP/s (its tiles are written back through a
 # transpose), on 7x7 and 10-wide maps 36 GFLOP/s against the width kernel's 50-65.
 KERNEL_EFFICIENCY = {"direct": 0.55, "width_vectors": 1.0}
+# conv2d_direct over a filter of 9 taps or more (3x3), by input channels (linear in log2
+# between, the end values beyond): its tiles reduce over the taps x the channels of the
+# channels-last packed input, and from 32 channels on that runs faster than the width kernel.
+# Timed alone with `tightfit search` (33 3x3 convs, 2 threads), direct / width kernel time:
+# 3 channels 1.5-2.5, 8-12 channels 1.7-1.9, 16 channels 0.81-1.22, 24 channels 0.98-1.17,
+# 32-48 channels 0.44-0.91, 64-256 channels 0.54-0.69, e.g. ResNet's stride-2 64 -> 128 conv
+# at 56x56 914 against 1330 us and 128 -> 256 at 28x28 842 against 1348 us (the model ran
+# both as width kernels). 1.45 is the least-squares fit (in log time) from 16 channels up;
+# below 32 the model keeps 0.55, which picks the width kernel there: 16 and 24 channels are
+# near ties alone, and detector_fpn's 24 -> 6 conv, a tie alone, ran its model 3-8% slower
+# as direct. Over those convs and the zoo's 42 the chosen candidates' times sum to 9692 us
+# (best 9623 us; with 0.55 throughout 10689 us). Filters of fewer taps keep 0.55: the 1x1
+# stride-2 and 1x3 convs measured direct at 1.0-1.9x the width kernel's time.
+DIRECT_EFFICIENCY_BY_CHANNELS = {24: KERNEL_EFFICIENCY["direct"], 32: 1.45}
 DEFAULT_BYTES_PER_SECOND = 10e9
 WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
 # Winograd against the width kernel, measured on this host (AVX-512, 2 threads; ResNet-50's
@@ -253,8 +267,7 @@ def _direct(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
     # costed as one more pass over the output
     output = shape.batch * shape.out_channels * out_h * out_w
     moved = (2 * packed_input + 2 * output) * BYTES_PER_FLOAT
-    seconds = (macs / (rates.macs_per_second * KERNEL_EFFICIENCY["direct"])
-               + moved / rates.bytes_per_second)
+    seconds = macs / (rates.macs_per_second * _direct_efficiency(shape)) + moved / rates.bytes_per_second
     weights = _padded(shape.out_channels, isa) * shape.channels * kh * kw * BYTES_PER_FLOAT
     return Candidate("direct", seconds, macs, packed_input * BYTES_PER_FLOAT, weights)
 
@@ -343,9 +356,20 @@ def _winograd(shape: ConvShape, isa: VectorISA, width: Candidate, name: str) -> 
     return Candidate(name, seconds, macs, workspace, weights)
 
 
+def _direct_efficiency(shape: ConvShape) -> float:
+    if shape.kernel[0] * shape.kernel[1] < 9:
+        return KERNEL_EFFICIENCY["direct"]
+    return _log2_interpolated(DIRECT_EFFICIENCY_BY_CHANNELS, shape.channels)
+
+
 def _winograd_gemm_efficiency(channels: int) -> float:
-    """WINOGRAD_GEMM_EFFICIENCY at `channels`, linear in log2 between the measured points."""
-    points = sorted(WINOGRAD_GEMM_EFFICIENCY.items())
+    return _log2_interpolated(WINOGRAD_GEMM_EFFICIENCY, channels)
+
+
+def _log2_interpolated(measured: dict[int, float], channels: int) -> float:
+    """`measured` (channels -> value) at `channels`: linear in log2 between the measured
+    points, the end points' values beyond them."""
+    points = sorted(measured.items())
     if channels <= points[0][0]:
         return points[0][1]
     for (low, low_value), (high, high_value) in zip(points, points[1:]):

@@ -231,12 +231,15 @@ def test_skinny_dense_spends_the_registers_on_vectors_and_runs_over_panels(knob_
                                run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", [3, 1])
-def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_database, kernel):
-    assert_matches_onnxruntime(conv_model(4, 24, groups=1, kernel=kernel), "conv2d_direct",
-                               knob_database,
-                               lambda w: {"x": _normal(1, 4, 5, w)},
-                               row_edges(host_rows(24, CONV_PANEL_WIDTH)),
+@pytest.mark.parametrize("channels, kernel, stride", [(4, 3, 1), (4, 1, 1), (32, 3, 2)])
+def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_database, channels,
+                                                                      kernel, stride):
+    """32 channels 3x3 stride 2: where the cost model picks the direct kernel (ResNet's
+    downsampling convs, conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS)."""
+    widths = sorted({stride * (edge - 1) + 1 for edge in row_edges(host_rows(24, CONV_PANEL_WIDTH))})
+    assert_matches_onnxruntime(conv_model(channels, 24, groups=1, kernel=kernel, stride=stride),
+                               "conv2d_direct", knob_database,
+                               lambda w: {"x": _normal(1, channels, 5, w)}, widths,
                                conv_algorithms=("direct",))
 
 

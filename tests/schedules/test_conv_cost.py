@@ -1,0 +1,56 @@
+"""Where the conv cost model picks the direct kernel (conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS)."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import run_pipeline
+from tightfit.schedules.conv_cost import ConvShape, Rates, candidate_costs, choose
+from tightfit.schedules.isa import AVX512
+from tightfit.target import resolve_target
+
+
+def conv3x3(channels, size, out_channels, stride) -> ConvShape:
+    return ConvShape(1, channels, size, size, out_channels, (3, 3), (stride, stride), (1, 1),
+                     (1, 1, 1, 1), 1)
+
+
+# measured alone on the AVX-512 host, 2 threads (`tightfit search`), direct / width kernel
+@pytest.mark.parametrize("shape, expected", [
+    (conv3x3(64, 56, 128, 2), "direct"),  # ResNet's downsampling: 914 / 1330 us
+    (conv3x3(128, 28, 256, 2), "direct"),  # 842 / 1348 us
+    (conv3x3(48, 24, 96, 2), "direct"),  # 105 / 175 us
+    (conv3x3(3, 224, 32, 2), "width_vectors"),  # MobileNetV2's stem: 325 / 200 us
+    (conv3x3(12, 16, 24, 1), "width_vectors"),  # conv_dynamic_hw's: 40 / 21 us
+    (conv3x3(8, 32, 8, 1), "width_vectors"),  # 32 / 17 us
+])
+def test_direct_conv_is_chosen_over_many_channels_where_it_measured_faster(shape, expected):
+    assert choose(candidate_costs(shape, AVX512, Rates.for_target(AVX512, 2, None)),
+                  None).name == expected
+
+
+def test_filters_of_fewer_taps_keep_the_direct_kernel_slower():
+    """1x3 convs over 32-40 channels measured direct 1.0-1.2x the width kernel's time, so the
+    many-channel rate is not theirs."""
+    rates = Rates.for_target(AVX512, 2, None)
+    shape = ConvShape(1, 40, 1, 40, 32, (1, 3), (1, 2), (1, 1), (0, 1, 0, 1), 1)
+    costs = {c.name: c.seconds for c in candidate_costs(shape, AVX512, rates)}
+    assert costs["direct"] > costs["width_vectors"]
+
+
+def test_the_pass_runs_a_downsampling_conv_over_many_channels_as_the_direct_kernel():
+    """SelectConvAlgorithm over a batch-symbolic ResNet stride-2 conv (costed at a typical
+    batch) picks the direct kernel."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((128, 64, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64, 56, 56])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 128, 28, 28])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                               stop_after="tightfit.SelectConvAlgorithm")
+    algorithms = {str(func.attrs["tightfit.algorithm"]) for func in selected.functions.values()
+                  if func.attrs is not None and "tightfit.algorithm" in func.attrs}
+    assert algorithms == {"direct"}
