@@ -252,7 +252,8 @@ class _ConvRewriter(relax.PyExprMutator):
             panel_width=knobs.vectors * self.isa.lanes)
         padding = [int(p) for p in call.attrs.padding]
         tile_grid = emit_kernel(self.builder_, winograd.winograd_input, [data], "winograd_input",
-                                {}, f"{name}_winograd_input", tile=tile, padding=padding)
+                                {}, f"{name}_winograd_input", plain_dims=True, tile=tile,
+                                padding=padding)
         points, batch, tiles_h, tiles_w, channels = tile_grid.ty.shape.values
         tiles = self.builder_.emit(relax.op.reshape(
             tile_grid, [points, batch, tiles_h * tiles_w, channels]))

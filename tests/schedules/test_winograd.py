@@ -6,7 +6,10 @@ import re
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from tvm import tirx
 
+import tightfit
+from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.conv_cost import ConvShape, Rates, candidate_costs, choose
@@ -150,3 +153,32 @@ def test_transforms_over_a_symbolic_plane_take_plain_tile_indices_and_channel_ve
         assert "T.vectorized(T.int64(8))" in script
     assert "v_t //" not in input_script and "v_t %" not in input_script
     assert re.search(r"for n_row_fused in T\.parallel", input_script)
+
+
+def test_the_input_transform_reads_a_pooled_plane_as_plain_symbols():
+    """After a stride-2 max pool the conv's plane is (h - 1) // 2 + 1 by (w - 1) // 2 + 1; the
+    input transform's PrimFunc takes it as plain variables read from the tensor (kernel_call's
+    `plain_dims`: TIR lowering took 25-32 s per kernel over the expressions), and computes what
+    onnxruntime does at odd and even planes."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array((0.1 * rng.standard_normal((16, 16, 3, 3))).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+         helper.make_node("Conv", ["p", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["y"])], "pooled_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16, "oh", "ow"])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = PipelineOptions(conv_algorithms=("winograd_f4",))
+    selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                               stop_after="tightfit.SelectConvAlgorithm")
+    transform = selected[selected.get_global_var("winograd_input")]
+    image, tiles = transform.params  # no symbols passed beside them
+    assert all(isinstance(dim, (tirx.IntImm, tirx.Var)) for dim in image.shape), image.shape
+    plane = {dim for dim in image.shape if isinstance(dim, tirx.Var)}
+    assert {var for dim in tiles.shape for var in tirx.analysis.undefined_vars(dim)} <= plane
+    session = tightfit.compile(model, options=options).session()
+    for shape in [(1, 16, 23, 30), (2, 16, 16, 9)]:
+        feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
+        np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                                   rtol=1e-4, atol=1e-4)
