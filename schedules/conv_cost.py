@@ -56,7 +56,12 @@ KERNEL_EFFICIENCY = {"direct": 0.55, "width_vectors": 1.0}
 # near ties alone, and detector_fpn's 24 -> 6 conv, a tie alone, ran its model 3-8% slower
 # as direct. Over those convs and the zoo's 42 the chosen candidates' times sum to 9692 us
 # (best 9623 us; with 0.55 throughout 10689 us). Filters of fewer taps keep 0.55: the 1x1
-# stride-2 and 1x3 convs measured direct at 1.0-1.9x the width kernel's time.
+# stride-2 and 1x3 convs measured direct at 1.0-1.9x the width kernel's time. So do convs over
+# a symbolic plane (all 33 were timed over static ones): there a map narrower than the tile's
+# rows runs the direct kernel's one-pixel version (dispatch.SINGLE_ROW), and the late layers
+# are costed at a plane of a pixel or two. ResNet-18 over a symbolic plane ran 9.9 ms at
+# 1x3x128x128 with 0.55 and 13.0 ms with the fitted rate, its three 512-channel 3x3 convs at
+# 4x4 2.3 ms each as direct (846 us over a static 4x4 plane).
 DIRECT_EFFICIENCY_BY_CHANNELS = {24: KERNEL_EFFICIENCY["direct"], 32: 1.45}
 DEFAULT_BYTES_PER_SECOND = 10e9
 WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
@@ -357,7 +362,7 @@ def _winograd(shape: ConvShape, isa: VectorISA, width: Candidate, name: str) -> 
 
 
 def _direct_efficiency(shape: ConvShape) -> float:
-    if shape.kernel[0] * shape.kernel[1] < 9:
+    if shape.kernel[0] * shape.kernel[1] < 9 or not shape.static_plane:
         return KERNEL_EFFICIENCY["direct"]
     return _log2_interpolated(DIRECT_EFFICIENCY_BY_CHANNELS, shape.channels)
 
