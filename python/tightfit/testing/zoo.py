@@ -85,8 +85,8 @@ class _GraphBuilder:
         return self.op("Conv", [x, w, b], out=out, kernel_shape=[kernel, kernel],
                        strides=[stride, stride], pads=[kernel // 2] * 4, group=groups)
 
-    def batch_norm(self, x: str, channels: int) -> str:
-        scale = self.const((1 + 0.1 * self.rng.standard_normal(channels)).astype(np.float32))
+    def batch_norm(self, x: str, channels: int, gain: float = 1.0) -> str:
+        scale = self.const((gain * (1 + 0.1 * self.rng.standard_normal(channels))).astype(np.float32))
         bias = self.const((0.1 * self.rng.standard_normal(channels)).astype(np.float32))
         mean = self.const((0.1 * self.rng.standard_normal(channels)).astype(np.float32))
         var = self.const((1 + 0.1 * self.rng.random(channels)).astype(np.float32))
@@ -119,6 +119,35 @@ def resnet_style() -> onnx.ModelProto:
     return g.model("resnet_style",
                    [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 32, 32])],
                    [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])])
+
+
+def resnet18() -> onnx.ModelProto:
+    """ResNet-18 at full size (He et al. 2016, table 1: a 7x7 stride-2 stem and max pool, four
+    stages of two basic blocks at 64, 128, 256 and 512 channels, each later stage downsampling
+    with a stride-2 3x3 conv and a 1x1 stride-2 projection; 11.7 M parameters, 1.8 GMAC at
+    224 x 224) with random weights and batch-norm statistics: the layers of the ResNets the
+    compilers are usually measured on. Each block's last batch norm scales by ~0.2 (as
+    zero-init residual training leaves it small), so that the random net's activations stay in
+    range through the eight residual additions. Batch, height and width are dynamic."""
+    g = _GraphBuilder(seed=7)
+    x = g.op("Relu", [g.batch_norm(g.conv("image", 3, 64, 7, stride=2), 64)])
+    x = g.op("MaxPool", [x], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    channels = 64
+    for stage_channels in (64, 128, 256, 512):
+        for block in range(2):
+            stride = 2 if block == 0 and stage_channels != 64 else 1
+            y = g.op("Relu", [g.batch_norm(g.conv(x, channels, stage_channels, 3, stride), stage_channels)])
+            y = g.batch_norm(g.conv(y, stage_channels, stage_channels, 3), stage_channels, gain=0.2)
+            shortcut = x if stride == 1 else g.batch_norm(g.conv(x, channels, stage_channels, 1, stride),
+                                                          stage_channels)
+            x = g.op("Relu", [g.op("Add", [y, shortcut])])
+            channels = stage_channels
+    pooled = g.op("Flatten", [g.op("GlobalAveragePool", [x])], axis=1)
+    g.op("Gemm", [pooled, g.weight((1000, 512)), g.const(np.zeros(1000, np.float32))],
+         out="logits", transB=1)
+    return g.model("resnet18",
+                   [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+                   [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 1000])])
 
 
 def conv_dynamic_hw() -> onnx.ModelProto:
@@ -493,6 +522,9 @@ _MODELS = [
     ZooModel(name="mobilenet_v2", build=mobilenet_v2, feeds=None, dynamic=True,
              shape_sets=[{"image": (1, 3, 224, 224)}, {"image": (2, 3, 160, 128)}],
              description="MobileNetV2 at full size (3.5 M parameters), dynamic batch/H/W"),
+    ZooModel(name="resnet18", build=resnet18, feeds=None, dynamic=True,
+             shape_sets=[{"image": (1, 3, 128, 128)}, {"image": (2, 3, 96, 112)}],
+             description="ResNet-18 at full size (11.7 M parameters), dynamic batch/H/W"),
 ]
 # Cases where RDP's backward propagation and Merge matter (rdp_cases.py says what each shows).
 _MODELS += [
