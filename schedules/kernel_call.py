@@ -52,18 +52,18 @@ def emit_kernel(builder: relax.BlockBuilder, compute: Callable, args: list, name
 
 def _call_te_over_plain_dims(builder: relax.BlockBuilder, compute: Callable, args: list,
                              name_hint: str, **kwargs) -> relax.Call:
-    """call_tir to the PrimFunc of `compute` over placeholders whose dims are plain variables
-    where the arguments' dims are expressions (equal expressions share one); the call's output
-    type puts the expressions back, so Relax sees the shapes it computed."""
+    """call_tir to the PrimFunc of `compute` over placeholders whose symbolic dims are plain
+    variables of the PrimFunc's own (as `call_te` makes them, one per distinct dim); the call's
+    output type puts the caller's dims back, so Relax sees the shapes it computed."""
     plain: list[tuple[tirx.PrimExpr, tirx.Var]] = []
 
     def plain_dim(dim, name: str):
-        if isinstance(dim, (tirx.IntImm, tirx.Var)):
+        if isinstance(dim, tirx.IntImm):
             return dim
         for expression, var in plain:
             if tvm_ffi.structural_equal(expression, dim):
                 return var
-        plain.append((dim, tirx.Var(name, dim.ty.dtype)))
+        plain.append((dim, tirx.Var(dim.name if isinstance(dim, tirx.Var) else name, dim.ty.dtype)))
         return plain[-1][1]
 
     placeholders = [te.placeholder([plain_dim(dim, f"arg{index}_dim{axis}")
