@@ -9,8 +9,8 @@ compile time) the candidates are
   throughout; workspace = the padded input (none for a pointwise conv). Measured 1.05-2.6x
   faster than `direct` on the zoo's layers, and 1.6-1.8x on 7x7 and 10-wide maps although it
   computes a whole vector of columns there (conv_cost.KERNEL_EFFICIENCY); but 3x3 convs over
-  32 channels or more ran as `direct` in 0.44-1.0 of its time (ResNet's stride-2 convs, where
-  Winograd does not apply: conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS); a pointwise conv over
+  32 channels or more and a static plane ran as `direct` in 0.40-1.0 of its time (ResNet's
+  stride-2 convs, where Winograd does not apply: conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS); a pointwise conv over
   256+ input channels runs its CHANNEL_VECTORS version instead, vectors along the output
   channels (conv2d.uses_channel_vectors);
 - `im2col`: explicit im2col + GEMM: the input unfolded to C x KH x KW channels per output
