@@ -67,3 +67,10 @@ def kernel_blocks(mod: tvm.IRModule) -> list[str]:
             kinds += [k for k in ("conv2d_direct", "conv2d_width_vectors", "conv2d_depthwise", "dense_packed",
                                   "matmul_packed_rhs", "winograd") if f'"{k}' in text]
     return kinds
+
+
+def selected_algorithms(mod: tvm.IRModule) -> list[str]:
+    """The algorithms SelectConvAlgorithm and SelectGemmKernel recorded on the module's
+    kernels (`tightfit.algorithm`), sorted; read it before FuseTIR merges the kernels away."""
+    return sorted(str(func.attrs["tightfit.algorithm"]) for func in mod.functions.values()
+                  if func.attrs is not None and "tightfit.algorithm" in func.attrs)

@@ -12,6 +12,8 @@ from tightfit.schedules.conv_cost import ConvShape, Rates, candidate_costs, choo
 from tightfit.schedules.isa import AVX512
 from tightfit.target import resolve_target
 
+from kernel_harness import selected_algorithms
+
 
 def conv3x3(channels, size, out_channels, stride) -> ConvShape:
     return ConvShape(1, channels, size, size, out_channels, (3, 3), (stride, stride), (1, 1),
@@ -53,9 +55,7 @@ def test_the_pass_runs_a_downsampling_conv_over_many_channels_as_the_direct_kern
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
                                stop_after="tightfit.SelectConvAlgorithm")
-    algorithms = {str(func.attrs["tightfit.algorithm"]) for func in selected.functions.values()
-                  if func.attrs is not None and "tightfit.algorithm" in func.attrs}
-    assert algorithms == {"direct"}
+    assert selected_algorithms(selected) == ["direct"]
 
 
 def test_over_a_symbolic_plane_the_direct_kernel_keeps_its_old_rate():

@@ -34,7 +34,7 @@ from tightfit.schedules.register_tile import TileKnobs, default_tile_knobs
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
 
-from kernel_harness import kernel_blocks
+from kernel_harness import kernel_blocks, selected_algorithms
 
 ARM64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
 
@@ -282,9 +282,7 @@ def test_a_conv_no_allowed_algorithm_applies_to_keeps_its_own_candidates():
     options = PipelineOptions(conv_algorithms=("im2col",))
     selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
                                stop_after="tightfit.SelectConvAlgorithm")
-    chosen = sorted(str(func.attrs["tightfit.algorithm"]) for func in selected.functions.values()
-                    if func.attrs is not None and "tightfit.algorithm" in func.attrs)
-    assert chosen == ["im2col", "width_vectors"]
+    assert selected_algorithms(selected) == ["im2col", "width_vectors"]
     feeds = {"x": _normal(1, 4, 5, 9)}
     np.testing.assert_allclose(tightfit.compile(model, options=options).session().run(feeds)["y"],
                                run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)

@@ -17,6 +17,8 @@ from tightfit.schedules.isa import AVX512
 from tightfit.schedules.winograd import MATRICES
 from tightfit.target import resolve_target
 
+from kernel_harness import selected_algorithms
+
 
 def as_array(matrix) -> np.ndarray:
     return np.array([[float(entry) for entry in row] for row in matrix])
@@ -77,9 +79,7 @@ def test_the_pass_sees_whether_a_conv_plane_is_symbolic(plane, expected):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
                                stop_after="tightfit.SelectConvAlgorithm")
-    algorithms = {str(func.attrs["tightfit.algorithm"]) for func in selected.functions.values()
-                  if func.attrs is not None and "tightfit.algorithm" in func.attrs}
-    conv_algorithm, = algorithms - {"dense_packed"}  # the GEMM that Winograd runs
+    conv_algorithm, = set(selected_algorithms(selected)) - {"dense_packed"}  # Winograd's GEMM
     assert conv_algorithm.startswith(expected)
 
 
