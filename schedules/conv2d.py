@@ -180,7 +180,8 @@ def conv2d_direct(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, 
                        name="conv2d_tiles",
                        attrs={KERNEL_ANNOTATION: DIRECT, ROWS_ANNOTATION: rows,
                               VECTORS_ANNOTATION: vectors, OUTPUT_ROW_AXIS_ANNOTATION: 3,
-                              REDUCTION_UNROLL_ANNOTATION: reduction_unroll})
+                              REDUCTION_UNROLL_ANNOTATION: reduction_unroll,
+                              WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 5)})
     return te.compute((batch, out_channels, out_h, out_w), lambda n, o, h, w: tiles[n, h, w, o],
                       name="conv2d_out")
 

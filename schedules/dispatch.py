@@ -39,15 +39,20 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from .register_tile import KERNEL_ANNOTATION, ROW_TILES, SINGLE_ROW
+from .register_tile import KERNEL_ANNOTATION, ROW_TILES, SHORT_ROW_TILES, SINGLE_ROW
 from .tail_tiles import rewrite_loop_nest
 
 
-def row_buckets(row_extent, rows: int) -> list[tuple[str, object]]:
-    """[(version, run-time condition or None for "otherwise")], most specific first."""
+def row_buckets(row_extent, rows: int, short_rows: int | None = None) -> list[tuple[str, object]]:
+    """[(version, run-time condition or None for "otherwise")], most specific first;
+    SHORT_ROW_TILES between `short_rows` and `rows` where given and smaller than `rows`."""
+    bounds = [(ROW_TILES, rows)]
+    if short_rows is not None and short_rows < rows:
+        bounds.append((SHORT_ROW_TILES, short_rows))
     if isinstance(row_extent, (int, tirx.IntImm)):
-        return [(ROW_TILES if int(row_extent) >= rows else SINGLE_ROW, None)]
-    return [(ROW_TILES, row_extent >= rows), (SINGLE_ROW, None)]
+        return [(next((version for version, least in bounds if int(row_extent) >= least),
+                      SINGLE_ROW), None)]
+    return [(version, row_extent >= least) for version, least in bounds] + [(SINGLE_ROW, None)]
 
 
 # Measured on this 2-core host, whole zoo models timed with thresholds from 2^16 to 2^21: 2^17

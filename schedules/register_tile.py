@@ -18,9 +18,11 @@ A dense kernel whose packed weight outgrows ROW_TILES_OUTER_MAX_WEIGHT_BYTES, or
 one tile, runs the column panels outermost (parallel), so that each panel of B is read from
 memory once and stays in L2 while every row tile uses it.
 
-Two versions cover a symbolic row extent M (dispatch.py picks at run time):
+Three versions cover a symbolic row extent M (dispatch.py picks at run time):
 - ROW_TILES (M >= rows): `rows` rows per tile, the last tile shifted back (tail_tiles.py);
-- SINGLE_ROW (M < rows; a GEMV-like skinny GEMM, a conv output narrower than a tile): one row
+- SHORT_ROW_TILES (SHORT_TILE_ROWS <= M < rows; a conv's 4- to 14-wide maps, a GEMM over a
+  few tokens): the same with short tiles (short_tile_knobs);
+- SINGLE_ROW (M below that; a GEMV-like skinny GEMM, a map a pixel or two wide): one row
   at a time, parallel over column panels, the row loop cut to M.
 A static row extent smaller than the register budget's tile (a GEMV-like layer) gets wider
 panels instead, up to SKINNY_VECTORS vectors (default_tile_knobs).
@@ -32,7 +34,7 @@ pointwise conv's input has it: prefetch.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 from tvm import s_tir, tirx
@@ -57,6 +59,7 @@ STAGE_ANNOTATION = "tightfit.stage"
 WEIGHT_BYTES_ANNOTATION = "tightfit.weight_bytes"
 
 ROW_TILES = "row_tiles"
+SHORT_ROW_TILES = "short_row_tiles"
 SINGLE_ROW = "single_row"
 
 # A parallel loop with fewer iterations than this runs serially: waking the pool costs more.
@@ -80,6 +83,8 @@ ROW_TILES_OUTER_MAX_WEIGHT_BYTES = 128 << 10
 # Vectors across a skinny GEMM's panel (fewer rows than a tile): the independent accumulator
 # chains that hide the FMA latency (two pipes x four cycles) where the rows are too few to.
 SKINNY_VECTORS = 8
+# Rows of the SHORT_ROW_TILES version's tile (short_tile_knobs): the narrowest maps it covers.
+SHORT_TILE_ROWS = 4
 
 
 def default_tile_knobs(isa: VectorISA, columns: int, row_extent,
@@ -116,6 +121,25 @@ def default_tile_knobs(isa: VectorISA, columns: int, row_extent,
     return TileKnobs(rows=rows, vectors=vectors)
 
 
+def short_tile_knobs(knobs: TileKnobs, columns, isa: VectorISA) -> TileKnobs:
+    """The SHORT_ROW_TILES tile: SHORT_TILE_ROWS rows, and vectors enough for SKINNY_VECTORS
+    independent multiply-add chains where the columns are a known whole number of such panels
+    (a direct conv's 16-wide weight panels are then read two at a time), else the tile's own.
+
+    One row at a time (SINGLE_ROW) a tile has only `vectors` chains and loads a vector of the
+    weights per multiply-add, and a conv re-reads its weights from L2 for every pixel. ResNet-18's
+    256 -> 512 stride-2 conv over a symbolic plane, alone, 2 threads, one pixel at a time ->
+    4 x 2 tiles (panels outermost, `_panels_outermost`), onnxruntime in the same process:
+    4x4 output 1046-1184 -> 298-306 us (onnxruntime 297-338), 8x8 2000-4100 -> 1150-1170 us
+    (1020-1030), 3x4 810-850 -> 244-272 us (241-260).
+    """
+    vectors = max(knobs.vectors, -(-SKINNY_VECTORS // SHORT_TILE_ROWS))
+    if (not isinstance(columns, tirx.IntImm) or columns.value % (vectors * isa.lanes)
+            or not isa.fits_registers(SHORT_TILE_ROWS, vectors)):
+        vectors = knobs.vectors
+    return replace(knobs, rows=SHORT_TILE_ROWS, vectors=vectors)
+
+
 def weight_bytes(packed_weight, axes: int) -> int:
     """The bytes of the last `axes` axes of a packed weight (static shape): what one entry of
     any leading batch axes multiplies by, for WEIGHT_BYTES_ANNOTATION."""
@@ -144,11 +168,13 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
     spatial_count = _spatial_iter_count(sch, tiles_block)
     spatial, reductions = loops[:spatial_count], loops[spatial_count:]
     batch, row, col = spatial[:-2], spatial[-2], spatial[-1]
+    if version == SHORT_ROW_TILES:
+        knobs = short_tile_knobs(knobs, sch.get(col).extent, isa)
     col_outer, col_vector, col_lane = sch.split(col, [None, knobs.vectors, isa.lanes])
     inner_reduction = _split_reduction(sch, reductions, knobs.reduction_unroll)
-    if version == ROW_TILES:
+    if version in (ROW_TILES, SHORT_ROW_TILES):
         row_outer, row_inner = sch.split(row, [None, knobs.rows])
-        if _panels_outermost(sch, tiles_block, batch, row_outer, col_outer):
+        if _panels_outermost(sch, tiles_block, batch, row_outer, col_outer, version):
             sch.reorder(col_outer, *batch, row_outer, *reductions, *inner_reduction, row_inner,
                         col_vector, col_lane)
             parallel_loops = [col_outer]
@@ -156,7 +182,8 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
         else:
             sch.reorder(*batch, row_outer, col_outer, *reductions, *inner_reduction, row_inner,
                         col_vector, col_lane)
-            parallel_loops = [*batch, row_outer]
+            # the short tiles' loop stays unfused, to be cut to the extent below
+            parallel_loops = [*batch, row_outer] if version == ROW_TILES or not batch else batch
             write_back_at = col_outer
         unrolled = [row_inner, col_vector]
     else:
@@ -178,11 +205,17 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
     sch.vectorize(col_lane)
     init_block = sch.decompose_reduction(tiles_block, reductions[0])
     _vectorize_write_back(sch, out_block, isa)
-    if version == ROW_TILES:
+    if version in (ROW_TILES, SHORT_ROW_TILES):
         row_iters = {sch.get(tiles_block).name_hint: spatial_count - 2,
                      sch.get(init_block).name_hint: spatial_count - 2,
                      sch.get(out_block).name_hint: out_row_axis}
-        return [("shift", row_iters, knobs.rows, row_extent)]
+        shift = [("shift", row_iters, knobs.rows, row_extent)]
+        if version == ROW_TILES:
+            return shift
+        # a direct conv's row domain is max(OW, rows) (conv2d.conv2d_direct): its short tiles
+        # would otherwise run on past the extent, each repeating the shifted last tile
+        return shift + [("restrict", sch.get(row_outer).loop_var,
+                         tirx.floordiv(row_extent + knobs.rows - 1, knobs.rows))]
     return [("restrict", sch.get(row).loop_var, row_extent)]
 
 
@@ -213,15 +246,19 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
 
 
 def _panels_outermost(sch: s_tir.Schedule, tiles_block, batch: list, row_outer,
-                      col_outer) -> bool:
+                      col_outer, version: str) -> bool:
     """Column panels go outermost, and share the threads, where there are at least two of them
     and either the packed weight outgrows ROW_TILES_OUTER_MAX_WEIGHT_BYTES (with row tiles
     outermost every row tile streamed the whole weight again from beyond L2: BERT-base's
-    768 -> 3072 GEMM at 128 tokens, 9.4 MB per tile of 7 rows) or the rows are one tile (a
-    GEMV-like layer would run on one thread)."""
+    768 -> 3072 GEMM at 128 tokens, 9.4 MB per tile of 7 rows; a direct conv's 4.7 MB weight of
+    ResNet's 256 -> 512 layer at 4x4, 846 -> 354-459 us), or the rows are one tile (a GEMV-like
+    layer would run on one thread), or the tiles are short ones (SHORT_ROW_TILES: a few
+    rows)."""
     panels = sch.get(col_outer).extent
     if not isinstance(panels, tirx.IntImm) or panels.value < MIN_PARALLEL_EXTENT:
         return False
+    if version == SHORT_ROW_TILES:
+        return True
     weight_bytes = sch.get(tiles_block).annotations.get(WEIGHT_BYTES_ANNOTATION)
     if weight_bytes is not None and int(weight_bytes) > ROW_TILES_OUTER_MAX_WEIGHT_BYTES:
         return True

@@ -32,6 +32,7 @@ from .register_tile import (
     KERNEL_ANNOTATION,
     REDUCTION_UNROLL_ANNOTATION,
     ROWS_ANNOTATION,
+    SHORT_TILE_ROWS,
     STAGE_ANNOTATION,
     VECTORS_ANNOTATION,
     TileKnobs,
@@ -85,7 +86,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     out_buffer = base.get(out_block).writes[0].source
     row_extent, out_row_axis = conv2d.output_row_extent(out_buffer.shape, annotations)
     versions = []
-    version_buckets = row_buckets(row_extent, rows)
+    version_buckets = row_buckets(row_extent, rows,
+                                  SHORT_TILE_ROWS if kind in REGISTER_TILE_KERNELS else None)
     if annotations.get(conv2d.CHANNEL_VECTORS_ANNOTATION):
         channels = int(base.get(base.get_sblock(block_name)).iter_vars[1].dom.extent)
         _, tile_pixels = conv2d.channel_vector_tile(isa, channels)

@@ -31,6 +31,7 @@ from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.schedules.prefetch import PREFETCH_CHANNELS_AHEAD, PREFETCH_MIN_CHANNELS
 from tightfit.schedules import register_tile
 from tightfit.schedules.register_tile import TileKnobs, default_tile_knobs
+from tightfit.schedules.tail_tiles import rewrite_loop_nest
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
 
@@ -125,6 +126,12 @@ def row_edges(rows: int) -> list[int]:
     return sorted({1, max(1, rows - 1), rows, rows + 1, 3 * rows + 2})
 
 
+def register_tile_edges(rows: int) -> list[int]:
+    """row_edges and the edges of the short-tile version (register_tile.SHORT_ROW_TILES)."""
+    short = register_tile.SHORT_TILE_ROWS
+    return sorted(set(row_edges(rows)) | {short - 1, short, short + 1, 2 * short + 1})
+
+
 def host_rows(columns: int, panel_width: int | None = None) -> int:
     """The register tile's rows for `columns` output columns on this host (no knob records)."""
     isa = isa_for_target(resolve_target("host").tvm_target)
@@ -175,7 +182,7 @@ def test_dense_versions_match_onnxruntime_at_row_bucket_edges(knob_database, mon
     outermost = re.search(r"for (i0_0|i1_0)\b", row_tiles_version).group(1)
     assert outermost == ("i1_0" if panels_outer and columns > 32 else "i0_0")
     assert_matches_onnxruntime(model, "dense_packed", knob_database,
-                               lambda m: {"x": _normal(m, 24)}, row_edges(host_rows(columns)))
+                               lambda m: {"x": _normal(m, 24)}, register_tile_edges(host_rows(columns)))
 
 
 def test_an_epilogue_reading_a_value_twice_is_computed_in_the_write_back(knob_database):
@@ -201,7 +208,8 @@ def test_an_epilogue_reading_a_value_twice_is_computed_in_the_write_back(knob_da
     assert {block for block in blocks if not block.startswith("version_")} == {
         "dense_packed_tiles_init", "dense_packed_tiles_update", "dense_packed_out"}
     assert_matches_onnxruntime(model, "dense_packed", knob_database,
-                               lambda m: {"x": _normal(m, 24)}, row_edges(host_rows(40)))
+                               lambda m: {"x": _normal(m, 24)},
+                               register_tile_edges(host_rows(40)))
 
 
 def test_skinny_dense_spends_the_registers_on_vectors_and_runs_over_panels(knob_database):
@@ -236,11 +244,42 @@ def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_datab
                                                                       kernel, stride):
     """32 channels 3x3 stride 2: where the cost model picks the direct kernel (ResNet's
     downsampling convs, conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS)."""
-    widths = sorted({stride * (edge - 1) + 1 for edge in row_edges(host_rows(24, CONV_PANEL_WIDTH))})
+    widths = sorted({stride * (edge - 1) + 1
+                     for edge in register_tile_edges(host_rows(24, CONV_PANEL_WIDTH))})
     assert_matches_onnxruntime(conv_model(channels, 24, groups=1, kernel=kernel, stride=stride),
                                "conv2d_direct", knob_database,
                                lambda w: {"x": _normal(1, channels, 5, w)}, widths,
                                conv_algorithms=("direct",))
+
+
+def test_short_tiles_cover_a_narrow_map_once(knob_database):
+    """The short-tile version of a direct conv runs ceil(OW / SHORT_TILE_ROWS) tiles along a
+    row. Its tiles' domain is max(OW, rows) wide (conv2d.conv2d_direct), so the split alone
+    would run ceil(max(OW, rows) / 4) tiles, the shifted last one again and again: correct
+    outputs, 3-4x the work on ResNet-18's 4x4 maps."""
+    model = conv_model(32, 24, groups=1, kernel=3, stride=2)
+    options = PipelineOptions(knob_database=knob_database, conv_algorithms=("direct",))
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    kernel = next(func for global_var, func in scheduled.functions.items()
+                  if "conv2d_direct" in global_var.name_hint)
+    short = register_tile.SHORT_TILE_ROWS
+    tile_loops, loops_seen = [], []
+
+    def note_tile_loop(loop):
+        # conv2d_direct's tiles run along its `ow` axis, split into tiles (ow_0) of rows (ow_1)
+        loops_seen.append(loop)
+        if loop.loop_var.name == "ow_1_init" and int(loop.extent) == short:
+            tile_loops.append(next(outer.extent for outer in reversed(loops_seen)
+                                   if outer.loop_var.name == "ow_0"))
+
+    rewrite_loop_nest(kernel.body, lambda realize: realize, on_enter_for=note_tile_loop)
+    assert tile_loops, "no short-tile version"
+    width = next(iter(tvm.tirx.analysis.undefined_vars(tile_loops[0])))
+    for out_width in range(short, host_rows(24, CONV_PANEL_WIDTH)):
+        analyzer = tvm.sym.Analyzer()
+        analyzer.bind(width, 2 * out_width - 1)
+        assert {int(analyzer.simplify(extent)) for extent in tile_loops} == {-(-out_width // short)}
 
 
 @pytest.mark.parametrize("kernel, stride", [(3, 1), (1, 1), (3, 2), (1, 2)])
