@@ -7,6 +7,7 @@ cost, measured on real machines. Here each term is in seconds:
     multiply-adds / macs_per_second(kernel)
   + bytes moved by the packing and transform stages / bytes_per_second
   + transform arithmetic / transform_flops_per_second
+  + packed or transformed weight bytes / bytes_per_second (read once a run: _with_weight_reads)
 (Winograd's transforms and extra kernels are costed instead in multiply-add equivalents measured
 against the width kernel, WINOGRAD_* below), with the three rates read from the knob database's
 "rates" where recorded, else the defaults below: 60% of the vector unit's FMA peak at 3 GHz on
@@ -57,11 +58,11 @@ KERNEL_EFFICIENCY = {"direct": 0.55, "width_vectors": 1.0}
 # as direct. Over those convs and the zoo's 42 the chosen candidates' times sum to 9692 us
 # (best 9623 us; with 0.55 throughout 10689 us). Filters of fewer taps keep 0.55: the 1x1
 # stride-2 and 1x3 convs measured direct at 1.0-1.9x the width kernel's time. So do convs over
-# a symbolic plane (all 33 were timed over static ones): there a map narrower than the tile's
-# rows runs the direct kernel's one-pixel version (dispatch.SINGLE_ROW), and the late layers
-# are costed at a plane of a pixel or two. ResNet-18 over a symbolic plane ran 9.9 ms at
-# 1x3x128x128 with 0.55 and 13.0 ms with the fitted rate, its three 512-channel 3x3 convs at
-# 4x4 2.3 ms each as direct (846 us over a static 4x4 plane).
+# a symbolic plane (all 33 were timed over static ones): the late layers are costed at a plane
+# of a pixel or two, which the direct kernel runs a pixel at a time (dispatch.SINGLE_ROW).
+# Before maps of 4 to 14 columns had short tiles (register_tile.SHORT_ROW_TILES), ResNet-18
+# over a symbolic plane ran 9.9 ms at 1x3x128x128 with 0.55 and 13.0 ms with the fitted rate;
+# with them both rates make the same choices there.
 DIRECT_EFFICIENCY_BY_CHANNELS = {24: KERNEL_EFFICIENCY["direct"], 32: 1.45}
 DEFAULT_BYTES_PER_SECOND = 10e9
 WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
@@ -203,16 +204,30 @@ class Rates:
 
 def candidate_costs(shape: ConvShape, isa: VectorISA, rates: Rates) -> list[Candidate]:
     if shape.is_depthwise:
-        return [_depthwise(shape, rates)]
+        return [_with_weight_reads(_depthwise(shape, rates), rates)]
     width = _width_vectors(shape, isa, rates)
     if shape.groups > 1:  # the only kernel with groups (conv2d.py)
-        return [width]
+        return [_with_weight_reads(width, rates)]
     candidates = [_direct(shape, isa, rates), width]
     if not is_pointwise(*shape.kernel, shape.strides, shape.padding):
         candidates.append(_im2col(shape, isa, rates))
     if is_winograd_eligible(shape):
         candidates += [_winograd(shape, isa, width, name) for name in WINOGRAD_TILES]
-    return candidates
+    return [_with_weight_reads(candidate, rates) for candidate in candidates]
+
+
+def _with_weight_reads(candidate: Candidate, rates: Rates) -> Candidate:
+    """`candidate` with one read of its weights from memory a run: a network's weights outgrow
+    the caches from one run to the next (ResNet-18: 47 MB, more with Winograd's transformed
+    weights). The term tells only where the weights differ, so Winograd's, (m + 2)^2 / 9 times
+    a 3x3 filter's: ResNet-18's 512 -> 512 3x3 convs at 4x4 ran Winograd F(2,3) in 523-547 us
+    alone (direct 601-617 us, onnxruntime 524-598 us), but ~1000-1078 us inside a whole run,
+    reading 16.8 MB of transformed weights. With the term its three such convs go to the direct
+    kernel (9.4 MB of weights), and the model at 1x3x128x128 ran 10.4 -> 9.3-9.4 ms (2x3x96x112
+    9.9-10.4 -> 9.8-9.9 ms), in one process, taking turns; no other zoo model changes its
+    choices. Added last, as Winograd's costs are scaled from the width kernel's compute alone."""
+    return replace(candidate, seconds=candidate.seconds
+                   + candidate.weight_bytes / rates.bytes_per_second)
 
 
 def with_measurements(candidates: list[Candidate], measured_us: dict | None) -> list[Candidate]:

@@ -69,3 +69,18 @@ def test_over_a_symbolic_plane_the_direct_kernel_keeps_its_old_rate():
              for shape in (static, symbolic)}
     assert costs[False]["direct"] > costs[True]["direct"]
     assert costs[False]["width_vectors"] == costs[True]["width_vectors"]
+
+
+def test_winograd_pays_for_reading_its_larger_weights_each_run():
+    """Winograd F(m, 3) reads (m + 2)^2 / 9 times a 3x3 filter's weights every run. ResNet-18's
+    512 -> 512 convs (costed at 2x2 at the typical extent) ran Winograd F(2,3) in ~1000-1078 us
+    inside a run, reading 16.8 MB of transformed weights, and now run direct over 9.4 MB; on a
+    56x56 map of 64 channels Winograd's saved multiply-adds still outweigh its 0.6 MB."""
+    rates = Rates.for_target(AVX512, 2, None)
+    late = dataclasses.replace(conv3x3(512, 2, 512, 1), static_plane=False)
+    costs = {c.name: c for c in candidate_costs(late, AVX512, rates)}
+    assert costs["winograd_f2"].weight_bytes == 16 * 512 * 512 * 4
+    assert costs["direct"].weight_bytes == 9 * 512 * 512 * 4
+    assert choose(list(costs.values()), None).name == "direct"
+    assert choose(candidate_costs(conv3x3(64, 56, 64, 1), AVX512, rates), None).name.startswith(
+        "winograd")
