@@ -181,9 +181,23 @@ def conv2d_direct(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, 
                        attrs={KERNEL_ANNOTATION: DIRECT, ROWS_ANNOTATION: rows,
                               VECTORS_ANNOTATION: vectors, OUTPUT_ROW_AXIS_ANNOTATION: 3,
                               REDUCTION_UNROLL_ANNOTATION: reduction_unroll,
-                              WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 5)})
+                              **_one_tile_row_weight_bytes(out_w, rows, packed_weight)})
     return te.compute((batch, out_channels, out_h, out_w), lambda n, o, h, w: tiles[n, h, w, o],
                       name="conv2d_out")
+
+
+def _one_tile_row_weight_bytes(out_w, rows: int, packed_weight: te.Tensor) -> dict:
+    """WEIGHT_BYTES_ANNOTATION for a direct conv whose output rows are one tile (a known width
+    of `rows` or less), so that a large weight runs its panels outermost (register_tile.py):
+    row tiles outermost read the whole weight once per output row, 4.7 MB for ResNet's 256 ->
+    512 stride-2 conv at 4x4 (846 -> 354-459 us alone with the panels outermost). Not on wider
+    rows: there row tiles outermost keep each tile's input in cache across the panels, and
+    measured faster (64 -> 128 stride 2 at 24x28, 650 against 800 us; 128 -> 256 at 28x28,
+    1960-2080 against 2180-2400 us). The short tiles of a symbolic width run their panels
+    outermost regardless (register_tile.SHORT_ROW_TILES)."""
+    if isinstance(out_w, (int, tirx.IntImm)) and int(out_w) <= rows:
+        return {WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 5)}
+    return {}
 
 
 def is_pointwise(kernel_h: int, kernel_w: int, strides, padding) -> bool:

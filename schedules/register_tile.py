@@ -250,10 +250,10 @@ def _panels_outermost(sch: s_tir.Schedule, tiles_block, batch: list, row_outer,
     """Column panels go outermost, and share the threads, where there are at least two of them
     and either the packed weight outgrows ROW_TILES_OUTER_MAX_WEIGHT_BYTES (with row tiles
     outermost every row tile streamed the whole weight again from beyond L2: BERT-base's
-    768 -> 3072 GEMM at 128 tokens, 9.4 MB per tile of 7 rows; a direct conv's 4.7 MB weight of
-    ResNet's 256 -> 512 layer at 4x4, 846 -> 354-459 us), or the rows are one tile (a GEMV-like
-    layer would run on one thread), or the tiles are short ones (SHORT_ROW_TILES: a few
-    rows)."""
+    768 -> 3072 GEMM at 128 tokens, 9.4 MB per tile of 7 rows; a direct conv annotates its
+    weight only where its output rows are one tile: conv2d._one_tile_row_weight_bytes), or the
+    rows are one tile (a GEMV-like layer would run on one thread), or the tiles are short ones
+    (SHORT_ROW_TILES: a few rows)."""
     panels = sch.get(col_outer).extent
     if not isinstance(panels, tirx.IntImm) or panels.value < MIN_PARALLEL_EXTENT:
         return False
