@@ -13,10 +13,16 @@ output width in vectors):
   (register_tile.py), so that each panel is read from memory once. A separate fat version
   (reduction blocked for the cache) is not built: it pays only once a B panel (K x NB floats)
   outgrows L2, and no layer of the models at hand comes near (register_tile.py's limit).
-- M < rows: SINGLE_ROW, one row at a time across wide vector panels, parallel over the
-  panels; skinny GEMMs (GEMV-like) and convs narrower than a tile (7x7 maps and below).
-The threshold is the tile height because that is where a row tile stops fitting: the shifted
-tail needs M >= rows. A static M compiles only its own version.
+- SHORT_TILE_ROWS <= M < rows (register-tile kernels: GEMMs and direct convs): SHORT_ROW_TILES,
+  tiles of 4 rows, panels outermost; a GEMM over a few tokens, the direct conv's 4- to 14-wide
+  maps (ResNet-18's last two stages at 128x128 input). One row at a time there re-read the
+  weights per row: ResNet-18's 256 -> 512 stride-2 conv at 4x4 ran 1046-1184 us, in 4-row
+  tiles 298-306 us (register_tile.short_tile_knobs).
+- M below that: SINGLE_ROW, one row at a time across wide vector panels, parallel over the
+  panels; skinny GEMMs (GEMV-like) and convs narrower than a tile (7x7 maps and below; the
+  width and depthwise kernels' tile is a vector of columns, and they have no short version).
+The thresholds are tile heights because that is where a tile stops fitting: the shifted
+tail needs M >= its rows. A static M compiles only its own version.
 A pointwise conv over many input channels has CHANNEL_VECTORS in place of ROW_TILES (vectors
 along the output channels, tiles of a few pixels: conv2d.uses_channel_vectors), from a tile of
 pixels up (conv2d.channel_vector_buckets).
