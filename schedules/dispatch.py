@@ -19,8 +19,9 @@ output width in vectors):
   weights per row: ResNet-18's 256 -> 512 stride-2 conv at 4x4 ran 1046-1184 us, in 4-row
   tiles 298-306 us (register_tile.short_tile_knobs).
 - M below that: SINGLE_ROW, one row at a time across wide vector panels, parallel over the
-  panels; skinny GEMMs (GEMV-like) and convs narrower than a tile (7x7 maps and below; the
-  width and depthwise kernels' tile is a vector of columns, and they have no short version).
+  panels; skinny GEMMs (GEMV-like), direct convs under 4 columns wide, and the width and
+  depthwise kernels' maps narrower than a vector (their tile is a vector of columns; they have
+  no short version).
 The thresholds are tile heights because that is where a tile stops fitting: the shifted
 tail needs M >= its rows. A static M compiles only its own version.
 A pointwise conv over many input channels has CHANNEL_VECTORS in place of ROW_TILES (vectors

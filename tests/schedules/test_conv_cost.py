@@ -73,9 +73,11 @@ def test_over_a_symbolic_plane_the_direct_kernel_keeps_its_old_rate():
 
 def test_winograd_pays_for_reading_its_larger_weights_each_run():
     """Winograd F(m, 3) reads (m + 2)^2 / 9 times a 3x3 filter's weights every run. ResNet-18's
-    512 -> 512 convs (costed at 2x2 at the typical extent) ran Winograd F(2,3) in ~1000-1078 us
-    inside a run, reading 16.8 MB of transformed weights, and now run direct over 9.4 MB; on a
-    56x56 map of 64 channels Winograd's saved multiply-adds still outweigh its 0.6 MB."""
+    512 -> 512 convs ran Winograd F(2,3) in ~1000-1078 us inside a run, reading 16.8 MB of
+    transformed weights, and now run direct over 9.4 MB. At 2x2, where F(2,3) wins clearly
+    without the term (the model costs them at 1x1, the typical extent's plane, where it was a
+    tie), the weight reads tip it; on a 56x56 map of 64 channels Winograd's saved multiply-adds
+    still outweigh its 0.6 MB."""
     rates = Rates.for_target(AVX512, 2, None)
     late = dataclasses.replace(conv3x3(512, 2, 512, 1), static_plane=False)
     costs = {c.name: c for c in candidate_costs(late, AVX512, rates)}

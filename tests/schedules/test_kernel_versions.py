@@ -154,14 +154,20 @@ def assert_matches_onnxruntime(model, kernel, knob_database, feeds_at, extents,
                                        err_msg=f"{model.graph.name} at extent {extent}")
 
 
-def _scheduled_kernel(model, kernel_name: str, knob_database: str,
-                      conv_algorithms=None) -> str:
-    """The TVMScript of `model`'s scheduled PrimFunc whose name holds `kernel_name`."""
+def _scheduled_kernel_func(model, kernel_name: str, knob_database: str,
+                           conv_algorithms=None) -> tvm.tirx.PrimFunc:
+    """`model`'s scheduled PrimFunc whose name holds `kernel_name`."""
     options = PipelineOptions(knob_database=knob_database, conv_algorithms=conv_algorithms)
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
                                 stop_after="tightfit.FallbackCPUSchedule")
-    return next(func.script() for global_var, func in scheduled.functions.items()
+    return next(func for global_var, func in scheduled.functions.items()
                 if kernel_name in global_var.name_hint)
+
+
+def _scheduled_kernel(model, kernel_name: str, knob_database: str,
+                      conv_algorithms=None) -> str:
+    """The TVMScript of `model`'s scheduled PrimFunc whose name holds `kernel_name`."""
+    return _scheduled_kernel_func(model, kernel_name, knob_database, conv_algorithms).script()
 
 
 def _normal(*shape) -> np.ndarray:
@@ -182,7 +188,8 @@ def test_dense_versions_match_onnxruntime_at_row_bucket_edges(knob_database, mon
     outermost = re.search(r"for (i0_0|i1_0)\b", row_tiles_version).group(1)
     assert outermost == ("i1_0" if panels_outer and columns > 32 else "i0_0")
     assert_matches_onnxruntime(model, "dense_packed", knob_database,
-                               lambda m: {"x": _normal(m, 24)}, register_tile_edges(host_rows(columns)))
+                               lambda m: {"x": _normal(m, 24)},
+                               register_tile_edges(host_rows(columns)))
 
 
 def test_an_epilogue_reading_a_value_twice_is_computed_in_the_write_back(knob_database):
@@ -257,12 +264,8 @@ def test_short_tiles_cover_a_narrow_map_once(knob_database):
     row. Its tiles' domain is max(OW, rows) wide (conv2d.conv2d_direct), so the split alone
     would run ceil(max(OW, rows) / 4) tiles, the shifted last one again and again: correct
     outputs, 3-4x the work on ResNet-18's 4x4 maps."""
-    model = conv_model(32, 24, groups=1, kernel=3, stride=2)
-    options = PipelineOptions(knob_database=knob_database, conv_algorithms=("direct",))
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
-                                stop_after="tightfit.FallbackCPUSchedule")
-    kernel = next(func for global_var, func in scheduled.functions.items()
-                  if "conv2d_direct" in global_var.name_hint)
+    kernel = _scheduled_kernel_func(conv_model(32, 24, groups=1, kernel=3, stride=2),
+                                    "conv2d_direct", knob_database, ("direct",))
     short = register_tile.SHORT_TILE_ROWS
     tile_loops, loops_seen = [], []
 
