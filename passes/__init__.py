@@ -4,6 +4,7 @@ from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
 from .fold_constants_on_host import FoldConstantsOnHost
 from .keep_reshapes_as_views import KeepReshapesAsViews, legalize_views
+from .launch_kernel_sequences import LaunchKernelSequences
 from .lower_nonzero import LowerNonZero
 from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
@@ -18,6 +19,7 @@ __all__ = [
     "FoldBatchNorm",
     "FoldConstantsOnHost",
     "KeepReshapesAsViews",
+    "LaunchKernelSequences",
     "LowerNonZero",
     "PreTransformWeights",
     "RankDimensionPropagation",

@@ -23,6 +23,7 @@ from .passes import (
     FoldBatchNorm,
     FoldConstantsOnHost,
     KeepReshapesAsViews,
+    LaunchKernelSequences,
     LowerNonZero,
     PreTransformWeights,
     RankDimensionPropagation,
@@ -108,6 +109,9 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.CallTIRRewrite(),
         relax.transform.StaticPlanBlockMemory(),
         ShareSymbolicStorage(),
+        # 6. each sequence of kernels becomes one TIR function that calls them in turn, its
+        #    intermediates at offsets in one arena (MNN pre-allocation)
+        LaunchKernelSequences(),
         relax.transform.LowerAllocTensor(),
         relax.transform.KillAfterLastUse(),
         relax.transform.LowerRuntimeBuiltin(),

@@ -12,7 +12,9 @@ resnet_style at 1x3x32x32 195 -> 191 us.
 Native code calls each kernel straight from the TIR function, where a VM instrument never sees
 it, so the profiler (profiling.py) needs the interpreter. The executable therefore holds every
 Relax function twice: native under its own name, bytecode under `interpreted(name)`, both
-calling the same kernels; the bytecode costs the package a few kilobytes.
+calling the same kernels; the bytecode costs the package a few kilobytes. Where the pipeline
+has lowered a function's kernel sequences (passes/launch_kernel_sequences.py), the bytecode is
+the function as it was before, which calls each kernel from the VM; else it is a copy.
 """
 
 from __future__ import annotations
@@ -35,18 +37,35 @@ def build_executable(mod: tvm.IRModule, target: tvm.target.Target) -> relax.VMEx
     PassContext (it carries the TIR lowering config)."""
     builder = relax.ExecBuilder()
     # VMCodeGen drops the Relax functions it emits and leaves the kernels to the native build
-    vm_build._vmcodegen(builder, _renamed_relax_functions(mod), "bytecode")
-    native = vm_build._vmcodegen(builder, mod, "compiled")
+    vm_build._vmcodegen(builder, _bytecode_functions(mod), "bytecode")
+    native = vm_build._vmcodegen(builder, _without_bytecode_functions(mod), "compiled")
     attrs = dict(mod.attrs) if mod.attrs else {}
     return vm_build._vmlink(builder=builder, target=target, tir_mod=vm_build._filter_tir(native),
                             ext_libs=attrs.get("external_mods", []),
                             params=dict(attrs.get("const_name_to_constant", {})))
 
 
-def _renamed_relax_functions(mod: tvm.IRModule) -> tvm.IRModule:
-    renamed = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+def _symbol(func: relax.Function) -> str:
+    return str(func.attrs["global_symbol"])
+
+
+def _bytecode_functions(mod: tvm.IRModule) -> tvm.IRModule:
+    """The kernels and each Relax function's bytecode copy: the pipeline's, else the function
+    renamed."""
+    copies = tvm.IRModule(attrs=mod.attrs)
+    relax_functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    symbols = {_symbol(func) for func in relax_functions.values()}
     for global_var, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            symbol = func.attrs["global_symbol"]
-            renamed[global_var] = func.with_attr("global_symbol", interpreted(str(symbol)))
-    return renamed
+        if not isinstance(func, relax.Function):
+            copies[global_var] = func
+        elif _symbol(func).endswith(INTERPRETED_SUFFIX):
+            copies[global_var] = func
+        elif interpreted(_symbol(func)) not in symbols:
+            copies[global_var] = func.with_attr("global_symbol", interpreted(_symbol(func)))
+    return copies
+
+
+def _without_bytecode_functions(mod: tvm.IRModule) -> tvm.IRModule:
+    return tvm.IRModule({gv: f for gv, f in mod.functions.items()
+                         if not (isinstance(f, relax.Function) and _symbol(f).endswith(INTERPRETED_SUFFIX))},
+                        attrs=mod.attrs)

@@ -1,0 +1,299 @@
+"""Call each sequence of kernels from one TIR function, its intermediate tensors in one arena.
+
+MNN §3.2, resource pre-allocation: the work of managing memory is done apart from the work of
+computing, and a run executes only the computing. DESIGN §11: tensors get their planned offsets
+in an arena. Without this pass the Relax VM does per kernel what only the plan needs: it builds
+each output's shape, allocates a tensor object for it, calls the kernel through its register
+file, and frees the objects after their last use. On a small model that is most of the run:
+transformer_encoder_dynamo at 1x5 tokens spent 40 us a run in the VM function, of which its 31
+kernels took 9 us; with its kernels in one sequence the VM function takes 12 us.
+
+Here, a sequence of kernel calls with nothing else in between but allocations and views becomes
+one PrimFunc that calls the kernels in order, each tensor's descriptor built on the stack. The
+calls are `T.call_cpacked`, straight to the kernel's symbol in the same library (a packed call
+would look the name up among the library's imports, where the kernels are not). The storages
+TVM and ShareSymbolicStorage planned for tensors that live only inside the sequence are laid
+out one after another in one arena, at offsets that are expressions of the symbolic dims; the
+VM allocates the arena once per run and calls the sequence once. A tensor the rest of the function sees (an output, a value after the sequence or
+in a branch) keeps its Relax allocation and is passed in.
+
+The Relax function as it was stays in the module under `interpreted(name)` for the profiler,
+which times each kernel through the VM's instrument (vm_code.py).
+
+Limits: a sequence ends at anything that is not a kernel call, an allocation or a view (an
+`If`, a packed library call, a shape read back from a tensor), and is lowered only when it calls
+at least MIN_KERNELS kernels. The arena holds each storage for the whole sequence, so it is the
+sum of the sequence's storages; sharing between them is ShareSymbolicStorage's, before this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax, tirx
+
+from tightfit.vm_code import interpreted
+
+from .classify_dynamism import op_key
+
+# A sequence of one kernel saves nothing: the VM would still allocate its arena and call it.
+MIN_KERNELS = 2
+# Every tensor in the arena starts on a cache line; kernels load vectors from the start of each.
+ARENA_ALIGNMENT = 64
+
+# The sequence PrimFunc's attribute listing each storage's place in its arena.
+ARENA_SLOTS_ATTR = "tightfit.arena_slots"
+
+_ALLOCATIONS = ("relax.memory.alloc_storage", "relax.memory.alloc_tensor", "relax.builtin.alloc_tensor")
+
+
+@tvm.transform.module_pass(opt_level=0, name="tightfit.LaunchKernelSequences")
+class LaunchKernelSequences:
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        builder = relax.BlockBuilder(mod)
+        for global_var, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function) or "global_symbol" not in (func.attrs or {}):
+                continue
+            lowered = _rewrite_seq(func.body, _Lowering(builder, mod))
+            if lowered.same_as(func.body):
+                continue
+            builder.update_func(global_var, builder.normalize(relax.Function(
+                func.params, lowered, func.ret_ty, func.is_pure, func.attrs, func.span)))
+            symbol = str(func.attrs["global_symbol"])
+            copy = _with_own_vars(func, builder.get())
+            builder.add_func(copy.with_attr("global_symbol", interpreted(symbol)), interpreted(symbol))
+        return builder.finalize()
+
+
+def _with_own_vars(func: relax.Function, mod: tvm.IRModule) -> relax.Function:
+    """A copy of `func` with vars of its own (a var may be defined in one function only).
+    relax.utils.copy_with_new_vars re-infers the type of every call it rebuilds, which TVM 0.27
+    cannot for an if_then_else inside a symbolic shape; a round trip through JSON copies every
+    node as it is, and the copy's calls are then pointed back at the module's functions."""
+    copy = tvm.ir.load_json(tvm.ir.save_json(func))
+    return _ModuleGlobalVars(mod).visit_expr(copy)
+
+
+@relax.expr_functor.mutator
+class _ModuleGlobalVars(relax.PyExprMutator):
+    """Replaces each GlobalVar with the module's of the same name."""
+
+    def visit_global_var_(self, op: tvm.ir.GlobalVar) -> relax.Expr:
+        return self.builder_.get().get_global_var(op.name_hint)
+
+
+@dataclass
+class _Lowering:
+    builder: relax.BlockBuilder
+    mod: tvm.IRModule
+
+    def is_kernel(self, value: relax.Expr) -> bool:
+        return (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar)
+                and isinstance(self.mod[value.op], tirx.PrimFunc)
+                and all(_is_tensor(arg) or isinstance(arg.ty, tvm.ir.PrimType) for arg in value.args))
+
+
+def _is_tensor(expr: relax.Expr) -> bool:
+    ty = expr.ty
+    return (isinstance(expr, (relax.Var, tvm.ir.Constant, tvm.ir.GenericConst))
+            and isinstance(ty, relax.TensorType) and str(ty.dtype) != "" and ty.ndim >= 0)
+
+
+def _rewrite_seq(seq: relax.SeqExpr, lowering: _Lowering) -> relax.SeqExpr:
+    """`seq` with its kernel sequences lowered, in branches too."""
+    uses: dict[tuple[int, int], set[relax.Var]] = {}
+    for block_index, block in enumerate(seq.blocks):
+        for index, binding in enumerate(block.bindings):
+            uses[(block_index, index)] = set(relax.analysis.free_vars(binding.value))
+    body_uses = set(relax.analysis.free_vars(seq.body))
+    blocks, changed = [], False
+    for block_index, block in enumerate(seq.blocks):
+        bindings = [_with_branches_rewritten(binding, lowering) for binding in block.bindings]
+        changed |= any(not new.same_as(old) for new, old in zip(bindings, block.bindings))
+        storages = {binding.var for binding in bindings
+                    if op_key(binding.value) == "relax.memory.alloc_storage"}
+        # later sequences first, so that the positions of earlier ones stay as they were
+        for span in reversed(_kernel_spans(bindings, lowering)):
+            members = {(block_index, index) for index in span}
+            used_elsewhere = body_uses.union(
+                *(used for where, used in uses.items() if where not in members))
+            bindings[span[0]:span[-1] + 1] = _lower_sequence(
+                bindings, span, used_elsewhere, storages - used_elsewhere, lowering)
+            changed = True
+        blocks.append(relax.BindingBlock([binding for binding in bindings if binding is not None]))
+    return lowering.builder.normalize(relax.SeqExpr(blocks, seq.body)) if changed else seq
+
+
+def _with_branches_rewritten(binding: relax.Binding, lowering: _Lowering) -> relax.Binding:
+    value = binding.value
+    if not isinstance(binding, relax.VarBinding) or not isinstance(value, relax.If):
+        return binding
+    true_branch = _rewrite_seq(value.true_branch, lowering)
+    false_branch = _rewrite_seq(value.false_branch, lowering)
+    if true_branch.same_as(value.true_branch) and false_branch.same_as(value.false_branch):
+        return binding
+    return relax.VarBinding(binding.var, lowering.builder.normalize(
+        relax.If(value.cond, true_branch, false_branch)))
+
+
+def _is_view(binding: relax.Binding) -> bool:
+    value = binding.value
+    return isinstance(binding, relax.VarBinding) and (
+        (isinstance(value, relax.Var) and _is_tensor(value) and _is_tensor(binding.var))
+        or (op_key(value) == "relax.reshape" and isinstance(value.args[0], relax.Var)
+            and _is_tensor(binding.var) and binding.var.ty.shape is not None))
+
+
+def _kernel_spans(bindings: list[relax.Binding], lowering: _Lowering) -> list[list[int]]:
+    """The positions of each sequence to lower: maximal runs of kernel calls, allocations and
+    views with at least MIN_KERNELS calls."""
+    spans, current = [], []
+    for index, binding in enumerate(bindings + [None]):
+        if binding is not None and isinstance(binding, relax.VarBinding) and (
+                lowering.is_kernel(binding.value) or op_key(binding.value) in _ALLOCATIONS
+                or _is_view(binding)):
+            current.append(index)
+            continue
+        if sum(lowering.is_kernel(bindings[i].value) for i in current) >= MIN_KERNELS:
+            spans.append(current)
+        current = []
+    return spans
+
+
+@dataclass
+class _Sequence:
+    """What the lowered function knows of each Relax value of the sequence."""
+    # each storage moved into the arena: (its byte offset there, its size)
+    arena_slots: dict[relax.Var, tuple[tirx.PrimExpr, tirx.PrimExpr]] = field(default_factory=dict)
+    arena_bytes: tirx.PrimExpr = tirx.IntImm("int64", 0)
+    # internal tensors: (the storage var or external tensor it lies in, its byte offset there)
+    placement: dict[relax.Var, tuple[relax.Expr, tirx.PrimExpr]] = field(default_factory=dict)
+    # the tensors passed in, each with the buffer the PrimFunc declares for it
+    passed: dict[relax.Expr, tirx.Buffer] = field(default_factory=dict)
+    # the dims of passed tensors whose Relax type has no shape: read from the tensor
+    unnamed_dims: list[tirx.Var] = field(default_factory=list)
+    arena: tirx.Buffer | None = None
+
+
+def _lower_sequence(bindings, span, used_elsewhere, storages_used_only_here, lowering):
+    """The bindings that replace `bindings[span]`: the allocations and views the rest of the
+    function sees, the arena, and one call of the sequence's PrimFunc. The bindings of storages
+    that only the sequence's tensors use, before the sequence, are set to None."""
+    members = [bindings[i] for i in span if bindings[i] is not None]
+    escaping = set(used_elsewhere)
+    for binding in reversed(members):  # a view of a tensor the rest sees is seen there too
+        if binding.var in escaping and _is_view(binding):
+            escaping.add(_viewed(binding))
+    tensors = [binding for binding in members if op_key(binding.value) == "relax.memory.alloc_tensor"]
+    homes = {binding.value.args[0] for binding in tensors}
+    homes_seen_elsewhere = {binding.value.args[0] for binding in tensors if binding.var in escaping}
+    internal = (set(storages_used_only_here) & homes) - homes_seen_elsewhere
+    sequence = _Sequence()
+    for index, binding in enumerate(bindings):
+        if binding is not None and binding.var in internal:
+            sequence.arena_slots[binding.var] = (sequence.arena_bytes, binding.value.args[0].values[0])
+            sequence.arena_bytes = _aligned(sequence.arena_bytes + binding.value.args[0].values[0])
+            if index < span[0]:
+                bindings[index] = None
+    if internal:
+        sequence.arena = tirx.decl_buffer([sequence.arena_bytes], "uint8", "arena")
+    kept, calls = [], []
+    for binding in members:
+        value = binding.value
+        if lowering.is_kernel(value):
+            calls.append((value.op, [_argument(arg, sequence) for arg in value.args]))
+        elif op_key(value) == "relax.memory.alloc_tensor" and value.args[0] in internal:
+            sequence.placement[binding.var] = (value.args[0], value.args[1])
+        elif binding.var in internal:
+            continue
+        elif _is_view(binding) and binding.var not in escaping:
+            viewed = _viewed(binding)
+            sequence.placement[binding.var] = sequence.placement.get(viewed, (viewed, _zero()))
+        else:
+            kept.append(binding)
+    return kept + _launch(calls, sequence, lowering)
+
+
+def _viewed(binding: relax.VarBinding) -> relax.Var:
+    value = binding.value
+    return value if isinstance(value, relax.Var) else value.args[0]
+
+
+def _aligned(size: tirx.PrimExpr) -> tirx.PrimExpr:
+    size = tirx.Cast("int64", size) if str(size.ty) != "int64" else size
+    return tvm.sym.Analyzer().simplify(
+        tirx.floordiv(size + ARENA_ALIGNMENT - 1, ARENA_ALIGNMENT) * ARENA_ALIGNMENT)
+
+
+def _zero() -> tirx.PrimExpr:
+    return tirx.IntImm("int64", 0)
+
+
+def _argument(arg: relax.Expr, sequence: _Sequence):
+    """How one kernel argument is described to the kernel: a scalar as it is (a TIR expression
+    in TVM 0.27), the buffer of a tensor passed in, or a descriptor of an internal tensor made
+    on the stack: a place in the arena, or a view of a tensor passed in."""
+    if isinstance(arg.ty, tvm.ir.PrimType):
+        return arg
+    if arg not in sequence.placement:
+        return _passed(arg, sequence)
+    home, offset = sequence.placement[arg]
+    if home in sequence.arena_slots:
+        byte = sequence.arena_slots[home][0] + offset
+        data, elem_offset = tirx.address_of(tirx.BufferLoad(sequence.arena, [byte])), _zero()
+    else:
+        buffer = _passed(home, sequence)
+        data, elem_offset = buffer.data, buffer.elem_offset
+    shape = list(arg.ty.shape.values)
+    no_strides = tirx.reinterpret("handle", tirx.IntImm("uint64", 0))
+    return tirx.tvm_stack_make_array(data, tirx.tvm_stack_make_shape(*shape), no_strides, len(shape),
+                                     tirx.const(0, arg.ty.dtype), elem_offset)
+
+
+def _passed(tensor: relax.Expr, sequence: _Sequence) -> tirx.Buffer:
+    """The buffer the PrimFunc declares for a tensor passed in."""
+    if tensor not in sequence.passed:
+        name, ty = f"tensor{len(sequence.passed)}", tensor.ty
+        if ty.shape is not None:
+            shape = list(ty.shape.values)
+        else:
+            shape = [tirx.Var(f"{name}_dim{axis}", "int64") for axis in range(ty.ndim)]
+            sequence.unnamed_dims += shape
+        sequence.passed[tensor] = tirx.decl_buffer(shape, ty.dtype, name)
+    return sequence.passed[tensor]
+
+
+def _launch(calls, sequence: _Sequence, lowering: _Lowering) -> list[relax.Binding]:
+    """The arena's allocation and the call of the sequence's PrimFunc."""
+    statements = []
+    for kernel, arguments in calls:
+        # the symbol AttachGlobalSymbol will give the kernel, where it has none yet
+        symbol = str((lowering.mod[kernel].attrs or {}).get("global_symbol", kernel.name_hint))
+        statements.append(tirx.Evaluate(tirx.call_cpacked(symbol, *arguments)))
+    body = tirx.SeqStmt(statements)
+    arena = sequence.arena
+    buffers = list(sequence.passed.values()) + ([arena] if arena is not None else [])
+    # every symbolic dim is passed as a scalar, ahead of the buffers whose shapes it gives
+    # (the PrimFunc then checks each buffer's shape against them)
+    dims = []
+    for expr in [body] + [extent for buffer in buffers for extent in buffer.ty.shape]:
+        dims += [var for var in tirx.analysis.undefined_vars(expr, buffers)
+                 if var not in dims and var not in sequence.unnamed_dims]
+    func = tirx.PrimFunc(dims + buffers, body).with_attrs({
+        "tirx.is_scheduled": True,
+        # (byte offset, bytes) of each storage in the arena, for checking and drawing the plan
+        ARENA_SLOTS_ATTR: [[offset, size] for offset, size in sequence.arena_slots.values()]})
+    sequence_var = lowering.builder.add_func(func, "kernel_sequence")
+    lowering.mod = lowering.builder.get()
+    arguments = dims + list(sequence.passed.keys())
+    bindings = []
+    if arena is not None:
+        allocation = lowering.builder.normalize(relax.op.builtin.alloc_tensor(
+            relax.ShapeExpr([sequence.arena_bytes]), "uint8", 0))
+        arena_var = relax.Var("arena", allocation.ty)
+        bindings.append(relax.VarBinding(arena_var, allocation))
+        arguments.append(arena_var)
+    call = lowering.builder.normalize(relax.Call(sequence_var, arguments))
+    bindings.append(relax.VarBinding(relax.Var("_", call.ty), call))
+    return bindings

@@ -1,0 +1,181 @@
+"""Kernel sequences run from one TIR function, their intermediates in one arena.
+
+The arena checker is independent of the pass: it reads each sequence function the pipeline made,
+gives the symbolic dims values, and checks that every tensor the sequence places in its arena
+lies inside one storage's slot, that slots never overlap and that all lie inside the arena. That
+two tensors in one storage are never live at once is the storage plan's property, which
+test_share_symbolic_storage checks.
+"""
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+from tvm import relax, tirx
+
+import tightfit
+from tightfit.feeds import run_onnxruntime
+from tightfit.frontend import import_onnx
+from tightfit.passes.launch_kernel_sequences import ARENA_SLOTS_ATTR
+from tightfit.pipeline import run_pipeline
+from tightfit.target import resolve_target
+from tightfit.testing import zoo
+from tightfit.vm_code import interpreted
+
+LOWERED = "tightfit.LaunchKernelSequences"
+
+
+def _mlp_with_a_hidden_output() -> onnx.ModelProto:
+    """x[n, 16] -> MatMul -> Relu (also an output) -> MatMul -> Softmax -> MatMul -> Add x:
+    kernels whose intermediates the caller never sees, and one result it does."""
+    rng = np.random.default_rng(0)
+    weights = [helper.make_tensor(name, TensorProto.FLOAT, shape,
+                                  rng.standard_normal(shape).astype("float32").ravel())
+               for name, shape in (("w1", (16, 32)), ("w2", (32, 24)), ("w3", (24, 16)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]),
+             helper.make_node("Relu", ["h"], ["hidden"]),
+             helper.make_node("MatMul", ["hidden", "w2"], ["logits"]),
+             helper.make_node("Softmax", ["logits"], ["weights"]),
+             helper.make_node("MatMul", ["weights", "w3"], ["o"]),
+             helper.make_node("Add", ["o", "x"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16]),
+         helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["n", 32])], initializer=weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _lowered(model: onnx.ModelProto) -> tvm.IRModule:
+    mod, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), stop_after=LOWERED)
+    return mod
+
+
+def _sequence_functions(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
+    return {gv.name_hint: func for gv, func in mod.functions.items()
+            if isinstance(func, tirx.PrimFunc) and ARENA_SLOTS_ATTR in (func.attrs or {})}
+
+
+def _calls(seq: relax.SeqExpr) -> list[str]:
+    """The functions of the module that `seq` calls, in order, branches included."""
+    names = []
+    for block in seq.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.If):
+                names += _calls(value.true_branch) + _calls(value.false_branch)
+            elif isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar):
+                names.append(value.op.name_hint)
+    return names
+
+
+def _kernels_called(sequence: tirx.PrimFunc) -> list[str]:
+    return [statement.value.args[0].value for statement in sequence.body.seq]
+
+
+def arena_violations(sequence: tirx.PrimFunc, dim_value) -> list[str]:
+    """What is wrong with the arena of `sequence` when each of its scalar params d is
+    dim_value(d)."""
+    analyzer = tvm.sym.Analyzer()
+    for param in sequence.params:
+        if isinstance(param.ty, tvm.ir.PrimType):
+            analyzer.bind(param, tirx.IntImm("int64", dim_value(param)))
+    arena = next((param for param in sequence.params if param.name == "arena"), None)
+    arena_bytes = int(analyzer.simplify(arena.ty.shape[0])) if arena is not None else 0
+    slots = sorted((int(analyzer.simplify(offset)), int(analyzer.simplify(size)))
+                   for offset, size in sequence.attrs[ARENA_SLOTS_ATTR])
+    problems = []
+    for (offset, size), (next_offset, _) in zip(slots, slots[1:]):
+        if offset + size > next_offset:
+            problems.append(f"slot at {offset} of {size} bytes runs into the slot at {next_offset}")
+    if slots and slots[-1][0] + slots[-1][1] > arena_bytes:
+        problems.append(f"the last slot ends past the arena's {arena_bytes} bytes")
+    for statement in sequence.body.seq:
+        kernel = statement.value.args[0].value
+        for argument in statement.value.args[1:]:
+            if not (isinstance(argument, tvm.ir.Call) and argument.op.name == "tirx.tvm_stack_make_array"):
+                continue
+            data, shape = argument.args[0], argument.args[1]
+            if not (isinstance(data, tvm.ir.Call) and data.op.name == "tirx.address_of"):
+                continue  # a view of a tensor passed in
+            start = int(analyzer.simplify(data.args[0].indices[0]))
+            nbytes = int(np.prod([int(analyzer.simplify(dim)) for dim in shape.args]))
+            nbytes *= tvm.runtime.DataType(str(argument.args[4].ty)).bits // 8
+            if not any(offset <= start and start + nbytes <= offset + size for offset, size in slots):
+                problems.append(f"{kernel}: bytes {start}..{start + nbytes} lie in no one slot")
+    return problems
+
+
+def test_a_chain_of_kernels_runs_from_one_function_with_what_the_caller_sees_passed_in():
+    mod = _lowered(_mlp_with_a_hidden_output())
+    relax.analysis.well_formed(mod)  # raises unless typed, with no var defined in two functions
+    sequences = _sequence_functions(mod)
+    assert len(sequences) == 1
+    (name, sequence), = sequences.items()
+    kernels = _kernels_called(sequence)
+    # the VM calls only the sequence; the profiler's copy still calls every kernel itself
+    assert _calls(mod["main"].body) == [name]
+    assert _calls(mod[interpreted("main")].body) == kernels
+    assert len(kernels) >= 3
+    # both outputs are the caller's tensors: allocated by the VM and passed in, not in the arena
+    buffers = [param for param in sequence.params
+               if not isinstance(param.ty, tvm.ir.PrimType) and param.name != "arena"]
+    passed_shapes = [[dim.name if isinstance(dim, tirx.Var) else int(dim) for dim in param.ty.shape]
+                     for param in buffers]
+    assert ["n", 32] in passed_shapes and ["n", 16] in passed_shapes
+    assert len(sequence.attrs[ARENA_SLOTS_ATTR]) >= 1
+    assert arena_violations(sequence, lambda dim: 7) == []
+
+
+@pytest.fixture(scope="module")
+def mlp_session():
+    model = _mlp_with_a_hidden_output()
+    return model, tightfit.compile(model).session()
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(min_value=1, max_value=40))
+def test_a_lowered_sequence_matches_onnxruntime_at_any_batch(mlp_session, rows):
+    model, session = mlp_session
+    feeds = {"x": np.random.default_rng(rows).standard_normal((rows, 16)).astype("float32")}
+    expected = run_onnxruntime(model, feeds)
+    got = session.run(feeds)
+    for name, want in expected.items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_one_kernel_alone_is_left_to_the_vm():
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])])
+    mod = _lowered(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert _sequence_functions(mod) == {}
+    assert interpreted("main") not in [gv.name_hint for gv in mod.functions]
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 64), sequence_length=st.integers(1, 600))
+def test_every_arena_tensor_lies_in_its_own_slot_of_the_arena(transformer_sequences, batch, sequence_length):
+    dims = {"batch": batch, "sequence": sequence_length}
+    for name, sequence in transformer_sequences.items():
+        assert arena_violations(sequence, lambda dim: dims[dim.name]) == [], name
+
+
+@pytest.fixture(scope="module")
+def transformer_sequences():
+    """A transformer's attention: intermediates of sizes batch x sequence and batch x sequence^2."""
+    return _sequence_functions(_lowered(zoo.get("transformer_encoder").build()))
+
+
+def test_kernels_inside_branches_are_lowered_too():
+    mod = _lowered(zoo.get("gated_skip_block").build())
+    sequences = _sequence_functions(mod)
+    branch_calls = []
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            if isinstance(binding.value, relax.If):
+                branch_calls += _calls(binding.value.true_branch) + _calls(binding.value.false_branch)
+    assert any(name in sequences for name in branch_calls)
