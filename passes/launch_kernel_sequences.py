@@ -45,6 +45,10 @@ ARENA_ALIGNMENT = 64
 # The sequence PrimFunc's attribute listing each storage's place in its arena.
 ARENA_SLOTS_ATTR = "tightfit.arena_slots"
 
+# Element types whose tensors keep their kernel calls in the VM: a descriptor TVM 0.27 builds on
+# the stack for a bfloat16 tensor fails the kernel's dtype check.
+_UNDESCRIBED_DTYPES = ("bfloat16",)
+
 _ALLOCATIONS = ("relax.memory.alloc_storage", "relax.memory.alloc_tensor", "relax.builtin.alloc_tensor")
 
 
@@ -55,23 +59,30 @@ class LaunchKernelSequences:
         for global_var, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function) or "global_symbol" not in (func.attrs or {}):
                 continue
+            copy = _with_own_vars(func, mod)
+            if copy is None:
+                continue
             lowered = _rewrite_seq(func.body, _Lowering(builder, mod))
             if lowered.same_as(func.body):
                 continue
             builder.update_func(global_var, builder.normalize(relax.Function(
                 func.params, lowered, func.ret_ty, func.is_pure, func.attrs, func.span)))
             symbol = str(func.attrs["global_symbol"])
-            copy = _with_own_vars(func, builder.get())
             builder.add_func(copy.with_attr("global_symbol", interpreted(symbol)), interpreted(symbol))
         return builder.finalize()
 
 
-def _with_own_vars(func: relax.Function, mod: tvm.IRModule) -> relax.Function:
-    """A copy of `func` with vars of its own (a var may be defined in one function only).
-    relax.utils.copy_with_new_vars re-infers the type of every call it rebuilds, which TVM 0.27
-    cannot for an if_then_else inside a symbolic shape; a round trip through JSON copies every
-    node as it is, and the copy's calls are then pointed back at the module's functions."""
-    copy = tvm.ir.load_json(tvm.ir.save_json(func))
+def _with_own_vars(func: relax.Function, mod: tvm.IRModule) -> relax.Function | None:
+    """A copy of `func` with vars of its own (a var may be defined in one function only), or
+    None where TVM cannot copy it. relax.utils.copy_with_new_vars re-infers the type of every
+    call it rebuilds, which TVM 0.27 cannot for an if_then_else inside a symbolic shape; a
+    round trip through JSON copies every node as it is (the copy's calls are then pointed back
+    at the module's functions), but cannot read back a constant with no elements and more
+    than one dim. Such a function keeps its kernel calls in the VM."""
+    try:
+        copy = tvm.ir.load_json(tvm.ir.save_json(func))
+    except tvm.error.InternalError:
+        return None
     return _ModuleGlobalVars(mod).visit_expr(copy)
 
 
@@ -97,7 +108,8 @@ class _Lowering:
 def _is_tensor(expr: relax.Expr) -> bool:
     ty = expr.ty
     return (isinstance(expr, (relax.Var, tvm.ir.Constant, tvm.ir.GenericConst))
-            and isinstance(ty, relax.TensorType) and str(ty.dtype) != "" and ty.ndim >= 0)
+            and isinstance(ty, relax.TensorType) and ty.ndim >= 0
+            and str(ty.dtype) not in ("", *_UNDESCRIBED_DTYPES))
 
 
 def _rewrite_seq(seq: relax.SeqExpr, lowering: _Lowering) -> relax.SeqExpr:
@@ -248,7 +260,7 @@ def _argument(arg: relax.Expr, sequence: _Sequence):
     shape = list(arg.ty.shape.values)
     no_strides = tirx.reinterpret("handle", tirx.IntImm("uint64", 0))
     return tirx.tvm_stack_make_array(data, tirx.tvm_stack_make_shape(*shape), no_strides, len(shape),
-                                     tirx.const(0, arg.ty.dtype), elem_offset)
+                                     tirx.const(0, str(arg.ty.dtype)), elem_offset)
 
 
 def _passed(tensor: relax.Expr, sequence: _Sequence) -> tirx.Buffer:
