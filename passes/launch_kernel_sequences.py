@@ -72,6 +72,12 @@ class LaunchKernelSequences:
         return builder.finalize()
 
 
+def kernel_sequences(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
+    """The sequence functions this pass made in `mod`, by name."""
+    return {global_var.name_hint: func for global_var, func in mod.functions.items()
+            if isinstance(func, tirx.PrimFunc) and ARENA_SLOTS_ATTR in (func.attrs or {})}
+
+
 def _with_own_vars(func: relax.Function, mod: tvm.IRModule) -> relax.Function | None:
     """A copy of `func` with vars of its own (a var may be defined in one function only), or
     None where TVM cannot copy it. relax.utils.copy_with_new_vars re-infers the type of every

@@ -228,7 +228,10 @@ def _compile(args) -> int:
     summary = {"package": str(output), "compile_seconds": package.report["compile_seconds"],
                "kernels": package.report["kernels"], "activation_storages": storages,
                "weight_file": weight_file}
-    _emit(args, summary, f"wrote {output} ({summary['kernels']} kernels, "
+    sequences = package.report["kernel_sequences"]
+    summary["kernel_sequences"] = sequences
+    _emit(args, summary, f"wrote {output} ({summary['kernels']} kernels, {sum(sequences)} of their "
+                         f"calls in {len(sequences)} sequence{'' if len(sequences) == 1 else 's'}, "
                          f"intermediate tensors in {len(storages)} storages, "
                          f"{weight_file['payload_bytes'] / 1e6:.2f} MB of weights in "
                          f"{weight_file['blobs']} blobs, {weight_file['dedup_saved_bytes'] / 1e6:.2f} MB "

@@ -19,7 +19,7 @@ from tvm import relax, tirx
 import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
-from tightfit.passes.launch_kernel_sequences import ARENA_SLOTS_ATTR
+from tightfit.passes.launch_kernel_sequences import ARENA_SLOTS_ATTR, kernel_sequences
 from tightfit.pipeline import run_pipeline
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
@@ -51,11 +51,6 @@ def _mlp_with_a_hidden_output() -> onnx.ModelProto:
 def _lowered(model: onnx.ModelProto) -> tvm.IRModule:
     mod, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), stop_after=LOWERED)
     return mod
-
-
-def _sequence_functions(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
-    return {gv.name_hint: func for gv, func in mod.functions.items()
-            if isinstance(func, tirx.PrimFunc) and ARENA_SLOTS_ATTR in (func.attrs or {})}
 
 
 def _calls(seq: relax.SeqExpr) -> list[str]:
@@ -111,7 +106,7 @@ def arena_violations(sequence: tirx.PrimFunc, dim_value) -> list[str]:
 def test_a_chain_of_kernels_runs_from_one_function_with_what_the_caller_sees_passed_in():
     mod = _lowered(_mlp_with_a_hidden_output())
     relax.analysis.well_formed(mod)  # raises unless typed, with no var defined in two functions
-    sequences = _sequence_functions(mod)
+    sequences = kernel_sequences(mod)
     assert len(sequences) == 1
     (name, sequence), = sequences.items()
     kernels = _kernels_called(sequence)
@@ -152,7 +147,7 @@ def test_one_kernel_alone_is_left_to_the_vm():
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])])
     mod = _lowered(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
-    assert _sequence_functions(mod) == {}
+    assert kernel_sequences(mod) == {}
     assert interpreted("main") not in [gv.name_hint for gv in mod.functions]
 
 
@@ -167,12 +162,12 @@ def test_every_arena_tensor_lies_in_its_own_slot_of_the_arena(transformer_sequen
 @pytest.fixture(scope="module")
 def transformer_sequences():
     """A transformer's attention: intermediates of sizes batch x sequence and batch x sequence^2."""
-    return _sequence_functions(_lowered(zoo.get("transformer_encoder").build()))
+    return kernel_sequences(_lowered(zoo.get("transformer_encoder").build()))
 
 
 def test_kernels_inside_branches_are_lowered_too():
     mod = _lowered(zoo.get("gated_skip_block").build())
-    sequences = _sequence_functions(mod)
+    sequences = kernel_sequences(mod)
     branch_calls = []
     for block in mod["main"].body.blocks:
         for binding in block.bindings:
