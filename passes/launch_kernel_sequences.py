@@ -303,7 +303,6 @@ def _launch(calls, sequence: _Sequence, lowering: _Lowering) -> list[relax.Bindi
         # (byte offset, bytes) of each storage in the arena, for checking and drawing the plan
         ARENA_SLOTS_ATTR: [[offset, size] for offset, size in sequence.arena_slots.values()]})
     sequence_var = lowering.builder.add_func(func, "kernel_sequence")
-    lowering.mod = lowering.builder.get()
     arguments = dims + list(sequence.passed.keys())
     bindings = []
     if arena is not None:

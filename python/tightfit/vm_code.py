@@ -53,12 +53,9 @@ def _bytecode_functions(mod: tvm.IRModule) -> tvm.IRModule:
     """The kernels and each Relax function's bytecode copy: the pipeline's, else the function
     renamed."""
     copies = tvm.IRModule(attrs=mod.attrs)
-    relax_functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
-    symbols = {_symbol(func) for func in relax_functions.values()}
+    symbols = {_symbol(func) for func in mod.functions.values() if isinstance(func, relax.Function)}
     for global_var, func in mod.functions.items():
-        if not isinstance(func, relax.Function):
-            copies[global_var] = func
-        elif _symbol(func).endswith(INTERPRETED_SUFFIX):
+        if not isinstance(func, relax.Function) or _symbol(func).endswith(INTERPRETED_SUFFIX):
             copies[global_var] = func
         elif interpreted(_symbol(func)) not in symbols:
             copies[global_var] = func.with_attr("global_symbol", interpreted(_symbol(func)))
