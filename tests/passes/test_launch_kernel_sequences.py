@@ -161,8 +161,11 @@ def test_every_arena_tensor_lies_in_its_own_slot_of_the_arena(transformer_sequen
 
 @pytest.fixture(scope="module")
 def transformer_sequences():
-    """A transformer's attention: intermediates of sizes batch x sequence and batch x sequence^2."""
-    return kernel_sequences(_lowered(zoo.get("transformer_encoder").build()))
+    """A transformer's two layers in one sequence: intermediates of sizes batch x sequence and
+    batch x sequence^2 in several storages (so that the checker has slots to check)."""
+    sequences = kernel_sequences(_lowered(zoo.get("transformer_encoder_dynamo").build()))
+    assert max(len(sequence.attrs[ARENA_SLOTS_ATTR]) for sequence in sequences.values()) >= 4
+    return sequences
 
 
 def test_kernels_inside_branches_are_lowered_too():
