@@ -209,14 +209,18 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
         row_iters = {sch.get(tiles_block).name_hint: spatial_count - 2,
                      sch.get(init_block).name_hint: spatial_count - 2,
                      sch.get(out_block).name_hint: out_row_axis}
-        shift = [("shift", row_iters, knobs.rows, row_extent)]
+        # a write-back checking its columns (a symbolic or partial last panel) stores each row
+        # with masked vector stores: TVM scalarizes a vector loop under a per-column check
+        rewrites = [("shift", row_iters, knobs.rows, row_extent),
+                    ("write_rows", sch.get(out_block).name_hint)]
         if version == ROW_TILES:
-            return shift
+            return rewrites
         # a direct conv's row domain is max(OW, rows) (conv2d.conv2d_direct): its short tiles
         # would otherwise run on past the extent, each repeating the shifted last tile
-        return shift + [("restrict", sch.get(row_outer).loop_var,
-                         tirx.floordiv(row_extent + knobs.rows - 1, knobs.rows))]
-    return [("restrict", sch.get(row).loop_var, row_extent)]
+        return rewrites + [("restrict", sch.get(row_outer).loop_var,
+                            tirx.floordiv(row_extent + knobs.rows - 1, knobs.rows))]
+    return [("restrict", sch.get(row).loop_var, row_extent),
+            ("write_rows", sch.get(out_block).name_hint)]
 
 
 def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:

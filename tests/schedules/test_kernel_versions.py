@@ -192,6 +192,25 @@ def test_dense_versions_match_onnxruntime_at_row_bucket_edges(knob_database, mon
                                register_tile_edges(host_rows(columns)))
 
 
+def test_attention_scores_over_a_symbolic_sequence_match_onnxruntime(knob_database):
+    """q[2, s, 8] @ k[2, 8, s] / 2, attention's scores: columns as symbolic as the rows. The panel
+    is one vector (SelectGemmKernel's SYMBOLIC_COLUMNS: 32-wide panels did twice the work at 16
+    tokens) and each row is written with masked vector stores, not a check per column; every
+    sequence across two vectors and the row buckets' edges matches."""
+    model = _model("attention_scores", [helper.make_node("MatMul", ["q", "k"], ["scores"]),
+                                        helper.make_node("Div", ["scores", "two"], ["y"])],
+                   [helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, "s", 8]),
+                    helper.make_tensor_value_info("k", TensorProto.FLOAT, [2, 8, "s"])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "s", "s"])],
+                   [numpy_helper.from_array(np.array(2, np.float32), "two")])
+    kernel = _scheduled_kernel(model, "matmul_packed_rhs", knob_database)
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    assert '"tightfit.vectors": 1' in kernel and "masked_store" in kernel
+    extents = sorted(set(range(1, 2 * lanes + 2)) | set(register_tile_edges(host_rows(lanes))))
+    assert_matches_onnxruntime(model, "matmul_packed_rhs", knob_database,
+                               lambda s: {"q": _normal(2, s, 8), "k": _normal(2, 8, s)}, extents)
+
+
 def test_an_epilogue_reading_a_value_twice_is_computed_in_the_write_back(knob_database):
     """GELU after a GEMM, as exporters write it: x * 0.5 * (1 + erf(x / sqrt 2)) reads x in its
     first and last op. Its ops are inlined into the kernel's write-back instead of each running
