@@ -7,8 +7,9 @@ this pass finds the tiles block, inlines the fused elementwise epilogue into the
 write-back, schedules each shape bucket of dispatch.py, and joins the versions with an `if` on
 the run-time extent. Each row version comes serial and parallel where the kernel's work may
 fall below the parallel threshold (dispatch.parallel_buckets). Winograd's transform kernels
-have no register tiles, so only those two versions (winograd.py). PrimFuncs without a kernel
-block are left to the fallback schedule.
+have no register tiles, so only those two versions (winograd.py). A last-axis softmax gets the
+row kernel of row_softmax.py. PrimFuncs without a kernel block are left to the fallback
+schedule.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .dispatch import (
 from .fallback_cpu import has_root_block, is_scheduled, parallelize_outer_loops
 from .isa import VectorISA, isa_for_target
 from .knob_database import KnobDatabase
+from .row_softmax import schedule_row_softmax
 from .register_tile import (
     KERNEL_ANNOTATION,
     REDUCTION_UNROLL_ANNOTATION,
@@ -59,7 +61,8 @@ class ScheduleKernels:
         mod = mod.clone()
         for global_var, func in list(mod.functions.items()):
             if isinstance(func, tirx.PrimFunc) and not is_scheduled(func):
-                scheduled = schedule_kernel_func(func, isa, min_parallel_work)
+                scheduled = (schedule_kernel_func(func, isa, min_parallel_work)
+                             or schedule_row_softmax(func, isa, min_parallel_work))
                 if scheduled is not None:
                     mod[global_var] = scheduled
         return mod

@@ -3,6 +3,9 @@ and compare with a float64 reference: the shared harness of the kernel tests."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import tvm
 from tvm import relax, tirx
@@ -10,6 +13,7 @@ from tvm import relax, tirx
 from tightfit.passes import SelectConvAlgorithm, SelectGemmKernel
 from tightfit.pipeline import BUILD_CONFIG
 from tightfit.schedules import FallbackCPUSchedule, ScheduleKernels
+from tightfit.target import resolve_target
 
 HOST = tvm.target.Target({"kind": "llvm", "num-cores": 2,
                           "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
@@ -74,3 +78,11 @@ def selected_algorithms(mod: tvm.IRModule) -> list[str]:
     kernels (`tightfit.algorithm`), sorted; read it before FuseTIR merges the kernels away."""
     return sorted(str(func.attrs["tightfit.algorithm"]) for func in mod.functions.values()
                   if func.attrs is not None and "tightfit.algorithm" in func.attrs)
+
+
+def threshold_database(path: Path, threshold: int) -> str:
+    """A knob database at `path` holding only a parallel threshold: 1 sends every kernel's run
+    to its parallel version, 1 << 60 to its serial one."""
+    path.write_text(json.dumps({"format": 1, "targets": {str(resolve_target("host").tvm_target): {
+        "tiles": {}, "rates": {}, "min_parallel_work": threshold}}}))
+    return str(path)

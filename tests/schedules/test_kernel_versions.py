@@ -7,7 +7,6 @@ edges: 1, rows - 1, rows, rows + 1 (the last tile shifted back by one row), and 
 a remainder.
 """
 
-import json
 import re
 
 import numpy as np
@@ -109,17 +108,6 @@ def conv1d_model(channels: int, out_channels: int, stride: int) -> onnx.ModelPro
                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, "w"])],
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, "v"])],
                   [_weight(rng, "w", (out_channels, channels, 3)), _weight(rng, "b", (out_channels,))])
-
-
-@pytest.fixture(scope="module", params=["parallel", "serial"])
-def knob_database(request, tmp_path_factory) -> str:
-    """A knob database whose parallel threshold sends every run to one side of the work `if`."""
-    target_key = str(resolve_target("host").tvm_target)
-    threshold = 1 if request.param == "parallel" else 1 << 60
-    path = tmp_path_factory.mktemp("knobs") / f"{request.param}.json"
-    path.write_text(json.dumps({"format": 1, "targets": {target_key: {
-        "tiles": {}, "rates": {}, "min_parallel_work": threshold}}}))
-    return str(path)
 
 
 def row_edges(rows: int) -> list[int]:

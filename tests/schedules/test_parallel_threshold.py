@@ -2,7 +2,6 @@
 multiply-accumulate at 1/MAC_WORK_DIVISOR per MAC (dispatch.py), and the threshold it is
 compared with is measured on the target (knob_search.calibrate_min_parallel_work)."""
 
-import json
 import math
 
 import numpy as np
@@ -21,6 +20,8 @@ from tightfit.schedules.register_tile import KERNEL_ANNOTATION
 from tightfit.schedules.schedule_kernels import MAC_KERNELS, find_kernel_block
 from tightfit.target import resolve_target
 
+from kernel_harness import threshold_database
+
 CHANNELS, OUT_CHANNELS, SIZE = 12, 24, 16
 MACS = OUT_CHANNELS * SIZE * SIZE * CHANNELS * 9
 
@@ -38,10 +39,7 @@ def static_conv_model():
 
 
 def knob_database(tmp_path, threshold: int) -> str:
-    path = tmp_path / f"threshold_{threshold}.json"
-    path.write_text(json.dumps({"format": 1, "targets": {str(resolve_target("host").tvm_target): {
-        "tiles": {}, "rates": {}, "min_parallel_work": threshold}}}))
-    return str(path)
+    return threshold_database(tmp_path / f"threshold_{threshold}.json", threshold)
 
 
 def conv_kernel_before_scheduling() -> s_tir.Schedule:

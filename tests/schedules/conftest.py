@@ -1,0 +1,15 @@
+"""Fixtures shared by the kernel tests."""
+
+import pytest
+
+from kernel_harness import threshold_database
+
+THRESHOLDS = {"parallel": 1, "serial": 1 << 60}
+
+
+@pytest.fixture(scope="module", params=list(THRESHOLDS))
+def knob_database(request, tmp_path_factory) -> str:
+    """A knob database whose parallel threshold sends every run to one side of the work `if`
+    (its file name ends in "<side>.json")."""
+    path = tmp_path_factory.mktemp("knobs") / f"{request.param}.json"
+    return threshold_database(path, THRESHOLDS[request.param])
