@@ -7,8 +7,8 @@ this pass finds the tiles block, inlines the fused elementwise epilogue into the
 write-back, schedules each shape bucket of dispatch.py, and joins the versions with an `if` on
 the run-time extent. Each row version comes serial and parallel where the kernel's work may
 fall below the parallel threshold (dispatch.parallel_buckets). Winograd's transform kernels
-have no register tiles, so only those two versions (winograd.py). A last-axis softmax gets the
-row kernel of row_softmax.py. PrimFuncs without a kernel block are left to the fallback
+have no register tiles, so only those two versions (winograd.py). A last-axis softmax or layer
+norm gets the row kernel of row_kernels.py. PrimFuncs without a kernel block are left to the fallback
 schedule.
 """
 
@@ -29,7 +29,7 @@ from .dispatch import (
 from .fallback_cpu import has_root_block, is_scheduled, parallelize_outer_loops
 from .isa import VectorISA, isa_for_target
 from .knob_database import KnobDatabase
-from .row_softmax import schedule_row_softmax
+from .row_kernels import schedule_row_kernel
 from .register_tile import (
     KERNEL_ANNOTATION,
     REDUCTION_UNROLL_ANNOTATION,
@@ -62,7 +62,7 @@ class ScheduleKernels:
         for global_var, func in list(mod.functions.items()):
             if isinstance(func, tirx.PrimFunc) and not is_scheduled(func):
                 scheduled = (schedule_kernel_func(func, isa, min_parallel_work)
-                             or schedule_row_softmax(func, isa, min_parallel_work))
+                             or schedule_row_kernel(func, isa, min_parallel_work))
                 if scheduled is not None:
                     mod[global_var] = scheduled
         return mod

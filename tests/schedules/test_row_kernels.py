@@ -1,11 +1,12 @@
-"""The row softmax kernel (schedules/row_softmax.py) matches onnxruntime at every row width."""
+"""The row kernels (schedules/row_kernels.py), softmax and layer norm, match onnxruntime at every
+row width."""
 
 import numpy as np
 import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
@@ -40,12 +41,17 @@ def compiled_sessions(tmp_path_factory) -> dict:
     return {"model": model, **sessions}
 
 
-def scheduled_softmax(model, knob_database=None, target="host") -> str:
+def scheduled_kernel(model, name: str, knob_database=None, target="host") -> str:
+    """The TVMScript of `model`'s scheduled PrimFunc whose name holds `name`."""
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target(target),
                                 PipelineOptions(knob_database=knob_database),
                                 stop_after="tightfit.FallbackCPUSchedule")
     return next(func.script() for global_var, func in scheduled.functions.items()
-                if "softmax" in global_var.name_hint)
+                if name in global_var.name_hint)
+
+
+def scheduled_softmax(model, knob_database=None, target="host") -> str:
+    return scheduled_kernel(model, "softmax", knob_database, target)
 
 
 def test_last_axis_softmax_runs_row_by_row_without_a_temporary(knob_database):
@@ -86,3 +92,48 @@ def test_row_softmax_compiles_for_arm64_neon_in_four_lane_chunks():
     assert "row_maximum" in kernel and "T.Ramp(T.int64(0), T.int64(1), 4)" in kernel
     assert "T.int64(1), 8)" not in kernel
     assert tightfit.compile(softmax_model(-1), target=arm64).executable is not None
+
+
+def layer_norm_model(width: int, axis: int = -1) -> onnx.ModelProto:
+    """LayerNormalization of x[n, s, width] (epsilon 1e-3, not the default, so that a kernel
+    that ignored it would fail), as a transformer's, with random gamma and beta."""
+    rng = np.random.default_rng(width)
+    normalized = [width] if axis == -1 else [3, width]
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["y"], axis=axis,
+                              epsilon=1e-3)]
+    graph = helper.make_graph(
+        nodes, "layer_norm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3 if axis != -1 else "s", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3 if axis != -1 else "s", width])],
+        [numpy_helper.from_array(rng.standard_normal(normalized).astype(np.float32), "gamma"),
+         numpy_helper.from_array(rng.standard_normal(normalized).astype(np.float32), "beta")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_last_axis_layer_norm_runs_row_by_row_without_temporaries(knob_database):
+    kernel = scheduled_kernel(layer_norm_model(32), "layer_norm", knob_database)
+    assert "row_mean" in kernel and "row_inverse_deviation" in kernel
+    assert "sblock_alloc_buffer" not in kernel and "0.0010000000474974513" in kernel
+
+
+def test_layer_norm_over_two_axes_keeps_the_fallback_schedule():
+    model = layer_norm_model(8, axis=-2)
+    assert "row_mean" not in scheduled_kernel(model, "layer_norm")
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)}
+    np.testing.assert_allclose(tightfit.compile(model).session().run(feeds)["y"],
+                               run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", [1, 5, 16, 37, 64])
+def test_row_layer_norm_matches_onnxruntime_at_vector_edges(knob_database, width):
+    """Widths below, at and past a vector and an odd one (each chunk size and leftover count),
+    serial and parallel, over rows of symbolic count; one input has a mean of 100 and a
+    standard deviation of 1, where the variance as a difference of squares would cancel (x^2
+    near 1e4 carries float32 errors near 1e-3 of the variance)."""
+    model = layer_norm_model(width)
+    session = tightfit.compile(model, options=PipelineOptions(knob_database=knob_database)).session()
+    rng = np.random.default_rng(width)
+    for batch, sequence, mean in [(1, 1, 0.0), (2, 7, 0.0), (3, 33, 100.0)]:
+        feeds = {"x": (rng.standard_normal((batch, sequence, width)) + mean).astype(np.float32)}
+        np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                                   rtol=1e-4, atol=2e-4, err_msg=f"{batch}x{sequence}")

@@ -1,0 +1,297 @@
+"""Softmax and layer norm over the last axis, a row at a time in vector chunks (issue 5: the
+memory-bound ops).
+
+TOPI writes both as several loop nests over the whole tensor with per-row temporaries (softmax:
+the row maxima, the exponentials into a temporary as large as the input, their sums, the
+quotients; layer norm: the sums, the means, the squared deviations' sums, the output). Each inner
+loop runs over a row, which LLVM's loop vectorizer gives a vector body, trip-count checks and a
+scalar remainder, in every nest; the temporaries make round trips through memory.
+
+These kernels make a few passes over each row while it sits in L1, with no temporary:
+- softmax: the row's maximum; exp(x - maximum) written to the output while its sum accumulates;
+  the output multiplied by the sum's reciprocal;
+- layer norm: the mean; the variance, as the mean of squared deviations (as TOPI and onnxruntime
+  compute it: the sum of squares minus the squared mean cancels on rows with a large mean); the
+  output (x - mean) / sqrt(variance + epsilon) x gamma + beta.
+Sums and maxima accumulate in a vector, folded across lanes once per row. A row is moved in
+row_chunks.chunk_steps' chunks (whole vectors, then at most one chunk of each narrower power of
+two, then single elements), so a 5-wide row is a 4-lane chunk and an element. The exponential
+is TOPI's fast_exp (range reduction to 2^n x a polynomial; its coefficients are Cephes'
+expf), written for vectors. Rows run in parallel above the parallel threshold and serially below
+it (dispatch.parallel_buckets), as the loops fallback_cpu.py schedules.
+
+Measured alone against TOPI's (transformer_encoder_dynamo's and _wide's shapes): softmax over
+1 x 4 x 128 x 128 67.6 -> 17.2 us, 3 x 4 x 16 x 16 3.9 -> 2.9 us, 1 x 4 x 5 x 5 0.68 -> 0.62 us;
+layer norm over 1 x 128 x 256 55.6 -> 6.2 us, 3 x 16 x 32 0.73 -> 0.38 us, 1 x 5 x 32 0.23 ->
+0.05 us.
+
+Recognized: an unfused PrimFunc of TOPI's fast_softmax or layer_norm over the last axis only,
+float32 (its blocks and nothing else). One with an elementwise consumer fused into it, or over
+other axes, keeps the fallback schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+from tvm import s_tir, tirx
+from tvm.ir.expr import Call
+
+from .dispatch import loop_work, parallel_buckets
+from .fallback_cpu import has_root_block
+from .isa import VectorISA
+from .row_chunks import chunk_steps, element_steps, narrowest_chunk
+
+SOFTMAX_BLOCKS = frozenset({"T_softmax_maxelem", "T_softmax_delta", "T_fast_exp", "T_softmax_expsum",
+                            "T_softmax_norm"})
+# TOPI names a layer norm's first three blocks after its input
+LAYER_NORM_SUFFIXES = ("_sum", "_mean", "_var_sum")
+LAYER_NORM_OUT = "T_layer_norm"
+
+# TOPI's fast_exp: the input clamped to where float32 exp is finite, e = 2^n x p(r) with
+# n = round(x / ln 2) and r = x - n ln 2, p(r) = 1 + r + r^2 (c5 + r (c4 + ... r c0))
+EXP_LIMIT = 88.3762626647949
+LOG2E = 1.44269504088896341
+LN2 = 0.6931471805599453
+EXP_POLYNOMIAL = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                  1.6666665459e-1, 5.0000001201e-1)
+
+
+def schedule_row_kernel(func: tirx.PrimFunc, isa: VectorISA,
+                        min_parallel_work: int) -> tirx.PrimFunc | None:
+    """The row kernel in place of `func`'s body, or None when `func` is neither a last-axis
+    float32 softmax nor layer norm."""
+    if not has_root_block(func):
+        return None
+    sch = s_tir.Schedule(func)
+    blocks = {sch.get(block).name_hint: sch.get(block)
+              for block in sch.get_child_blocks(sch.get_sblock("root"))}
+    if _is_last_axis_softmax(func, blocks):
+        def version(parallel):
+            return softmax_rows(*func.params, isa.lanes, parallel)
+    elif (epsilon := _last_axis_layer_norm_epsilon(func, blocks)) is not None:
+        def version(parallel):
+            return layer_norm_rows(*func.params, epsilon, isa.lanes, parallel)
+    else:
+        return None
+    versions = [(condition, version(parallel))
+                for parallel, condition in parallel_buckets(loop_work(sch), min_parallel_work)]
+    body = versions[-1][1]
+    for condition, stmt in reversed(versions[:-1]):
+        body = tirx.IfThenElse(condition, stmt, body)
+    return func.with_body(body).with_attr("tirx.is_scheduled", True)
+
+
+def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool) -> tirx.Stmt:
+    """The loop over the rows of `data` (softmax along its last axis) writing `out`."""
+    rows = _Rows(data, out, lanes)
+    x, y = rows.views
+    maximum = tirx.Var("row_maximum", data.dtype)
+    reciprocal = tirx.Var("row_reciprocal", data.dtype)
+    peak = rows.accumulator("row_peak")
+    total = rows.accumulator("row_total")
+
+    def exp_chunk(column, count):
+        shifted = rows.at(x, column, count) - _splat(maximum, count)
+        return tirx.SeqStmt([rows.store(y, fast_exp(shifted, count), column, count),
+                             rows.accumulate(total, rows.at(y, column, count), count, operator.add)])
+
+    lowest = tirx.const(-3.4028234663852886e38, data.dtype)
+    return rows.loop(parallel, [
+        *rows.start(peak, lowest),
+        *rows.over_row(lambda column, count: rows.accumulate(peak, rows.at(x, column, count),
+                                                             count, tirx.max)),
+        tirx.Bind(maximum, rows.fold(peak, tirx.max)),
+        *rows.start(total, tirx.const(0, data.dtype)),
+        *rows.over_row(exp_chunk),
+        tirx.Bind(reciprocal, tirx.const(1, data.dtype) / rows.fold(total, operator.add)),
+        *rows.over_row(lambda column, count: rows.store(
+            y, rows.at(y, column, count) * _splat(reciprocal, count), column, count)),
+    ])
+
+
+def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, out: tirx.Buffer,
+                    epsilon: float, lanes: int, parallel: bool) -> tirx.Stmt:
+    """The loop over the rows of `data` (layer norm along its last axis) writing `out`."""
+    rows = _Rows(data, out, lanes)
+    x, y = rows.views
+    dtype = data.dtype
+    width = tirx.Cast(dtype, rows.width)
+    mean = tirx.Var("row_mean", dtype)
+    inverse_deviation = tirx.Var("row_inverse_deviation", dtype)
+    total = rows.accumulator("row_total")
+    squares = rows.accumulator("row_squares")
+
+    def deviation(column, count):
+        return rows.at(x, column, count) - _splat(mean, count)
+
+    def square_chunk(column, count):
+        return rows.accumulate(squares, deviation(column, count) * deviation(column, count), count,
+                               operator.add)
+
+    def out_chunk(column, count):
+        index = _lanes(column, count)
+        scaled = deviation(column, count) * _splat(inverse_deviation, count)
+        return rows.store(y, scaled * tirx.BufferLoad(gamma, [index])
+                          + tirx.BufferLoad(beta, [index]), column, count)
+
+    zero = tirx.const(0, dtype)
+    return rows.loop(parallel, [
+        *rows.start(total, zero),
+        *rows.over_row(lambda column, count: rows.accumulate(total, rows.at(x, column, count),
+                                                             count, operator.add)),
+        tirx.Bind(mean, rows.fold(total, operator.add) / width),
+        *rows.start(squares, zero),
+        *rows.over_row(square_chunk),
+        tirx.Bind(inverse_deviation, tirx.const(1, dtype) / tirx.sqrt(
+            rows.fold(squares, operator.add) / width + tirx.const(epsilon, dtype))),
+        *rows.over_row(out_chunk),
+    ])
+
+
+class _Rows:
+    """A tensor and its output seen as rows along the last axis, and the pieces of a per-row
+    body: loads and stores of a chunk of `count` columns at `column` in the current row, vector
+    accumulators, and the loop over the rows."""
+
+    def __init__(self, data: tirx.Buffer, out: tirx.Buffer, lanes: int):
+        *leading, self.width = data.shape
+        self.lanes = lanes
+        self.index_type = self.width.ty.dtype
+        self.count = functools.reduce(operator.mul, leading, tirx.const(1, self.index_type))
+        self.sources = (data, out)
+        self.views = tuple(tirx.decl_buffer((self.count, self.width), buffer.dtype,
+                                            f"{buffer.name}_rows", data=buffer.data)
+                           for buffer in self.sources)
+        self.row = tirx.Var("row", self.index_type)
+        self.allocations: list[tirx.Stmt] = []
+
+    def at(self, view, column, count: int):
+        return tirx.BufferLoad(view, [self.row, _lanes(column, count)])
+
+    def store(self, view, value, column, count: int) -> tirx.Stmt:
+        return tirx.BufferStore(view, value, [self.row, _lanes(column, count)])
+
+    def accumulator(self, name: str) -> tirx.Buffer:
+        """A vector accumulator of the row loop's body: a "global" stack array of one vector,
+        which LLVM keeps in a register (isa.py)."""
+        buffer = tirx.decl_buffer((self.lanes,), self.views[0].dtype, name, scope="global")
+        self.allocations.append(tirx.AllocBuffer(buffer))
+        return buffer
+
+    def start(self, accumulator: tirx.Buffer, value) -> list[tirx.Stmt]:
+        return [tirx.BufferStore(accumulator, tirx.Broadcast(value, self.lanes),
+                                 [_lanes(tirx.const(0, self.index_type), self.lanes)])]
+
+    def accumulate(self, accumulator: tirx.Buffer, value, count: int, combine) -> tirx.Stmt:
+        index = _lanes(tirx.const(0, self.index_type), count)
+        return tirx.BufferStore(accumulator, combine(tirx.BufferLoad(accumulator, [index]), value),
+                                [index])
+
+    def over_row(self, chunk_body) -> list[tirx.Stmt]:
+        """`chunk_body(column, count)` over the whole row, in chunks."""
+        chunks, covered = chunk_steps(self.width, self.lanes, self.index_type, chunk_body)
+        return chunks + element_steps(covered, self.width, narrowest_chunk(self.lanes) - 1,
+                                      lambda column: chunk_body(column, 1))
+
+    def fold(self, accumulator: tirx.Buffer, combine):
+        """The vector in `accumulator` folded into one value, halving it in registers (Shuffles
+        of a Let-bound vector): halves stored and reloaded through the stack array missed x86's
+        store forwarding, a stall per halving (a 16-wide softmax row took 58 cycles)."""
+        lanes = self.lanes
+        vector = tirx.BufferLoad(accumulator, [_lanes(tirx.const(0, self.index_type), lanes)])
+        while lanes > 1:
+            half = lanes // 2
+            whole = tirx.Var(f"lanes{lanes}", vector.ty.dtype)
+            low = tirx.Shuffle([whole], [tirx.const(i, "int32") for i in range(half)])
+            high = tirx.Shuffle([whole], [tirx.const(i, "int32") for i in range(half, lanes)])
+            vector = tirx.Let(whole, vector, combine(low, high))
+            lanes = half
+        return vector
+
+    def loop(self, parallel: bool, body: list[tirx.Stmt]) -> tirx.Stmt:
+        """The loop over the rows running `body`, its accumulators allocated per row (per
+        thread when parallel)."""
+        kind = tirx.ForKind.PARALLEL if parallel else tirx.ForKind.SERIAL
+        loop = tirx.For(self.row, tirx.const(0, self.index_type), self.count, kind,
+                        tirx.SeqStmt(self.allocations + body))
+        views = [tirx.DeclBuffer(view, data=source.data)
+                 for view, source in zip(self.views, self.sources)]
+        return tirx.SeqStmt(views + [loop])
+
+
+def fast_exp(value, count: int):
+    """TOPI's fast_exp of a float32 vector of `count` lanes (or a scalar when 1)."""
+    dtype = value.ty.dtype
+
+    def splat(number):
+        return _splat(tirx.const(number, "float32"), count)
+
+    clamped = tirx.Var("clamped", dtype)
+    power = tirx.Var("power", dtype)
+    reduced = tirx.Var("reduced", dtype)
+    polynomial = splat(EXP_POLYNOMIAL[0])
+    for coefficient in EXP_POLYNOMIAL[1:]:
+        polynomial = polynomial * reduced + splat(coefficient)
+    polynomial = polynomial * reduced * reduced + reduced + splat(1.0)
+    int_type = "int32" if count == 1 else f"int32x{count}"
+    exponent = (tirx.Cast(int_type, power) + _splat(tirx.const(127, "int32"), count)) \
+        << _splat(tirx.const(23, "int32"), count)
+    two_to_power = tirx.reinterpret(dtype, exponent)
+    return tirx.Let(clamped, tirx.max(tirx.min(value, splat(EXP_LIMIT)), splat(-EXP_LIMIT)),
+                    tirx.Let(power, tirx.floor(clamped * splat(LOG2E) + splat(0.5)),
+                             tirx.Let(reduced, clamped - power * splat(LN2),
+                                      two_to_power * polynomial)))
+
+
+def _lanes(start, count: int):
+    return start if count == 1 else tirx.Ramp(start, tirx.const(1, start.ty.dtype), count)
+
+
+def _splat(value, count: int):
+    return value if count == 1 else tirx.Broadcast(value, count)
+
+
+def _is_last_axis_softmax(func: tirx.PrimFunc, blocks: dict) -> bool:
+    if set(blocks) != SOFTMAX_BLOCKS or len(func.params) != 2:
+        return False
+    data, out = func.params
+    axis = blocks["T_softmax_norm"].annotations.get("axis")
+    return (data.dtype == out.dtype == "float32" and axis is not None
+            and int(axis) == len(data.shape) - 1)
+
+
+def _last_axis_layer_norm_epsilon(func: tirx.PrimFunc, blocks: dict) -> float | None:
+    """The epsilon of a TOPI layer norm over the last axis only (float32, a gamma and a beta
+    along that axis), read from its output block's rsqrt(variance + epsilon); else None."""
+    if len(blocks) != 4 or LAYER_NORM_OUT not in blocks or len(func.params) != 4:
+        return None
+    data, gamma, beta, out = func.params
+    means = [name for name in blocks if name.endswith("_mean")]
+    if len(means) != 1:
+        return None
+    prefix = means[0][:-len("_mean")]
+    if {prefix + suffix for suffix in LAYER_NORM_SUFFIXES} != set(blocks) - {LAYER_NORM_OUT}:
+        return None
+    row_stats = blocks[means[0]].writes[0].source
+    if (any(buffer.dtype != "float32" for buffer in func.params)
+            or len(row_stats.shape) != len(data.shape) - 1
+            or any(len(buffer.shape) != 1 for buffer in (gamma, beta))):
+        return None
+    store = blocks[LAYER_NORM_OUT].body
+    epsilons = _rsqrt_epsilons(store.value) if isinstance(store, tirx.BufferStore) else []
+    return epsilons[0] if len(epsilons) == 1 else None
+
+
+def _rsqrt_epsilons(expr) -> list[float]:
+    """The constant c of each rsqrt(... + c) in the TIR expression `expr`."""
+    if isinstance(expr, Call):
+        argument = expr.args[0] if expr.args else None
+        if (str(expr.op.name) == "tirx.rsqrt" and isinstance(argument, tirx.Add)
+                and isinstance(argument.b, tirx.FloatImm)):
+            return [argument.b.value]
+        return [c for arg in expr.args for c in _rsqrt_epsilons(arg)]
+    children = [getattr(expr, name) for name in ("a", "b", "value") if hasattr(expr, name)]
+    return [c for child in children if not isinstance(child, (int, float))
+            for c in _rsqrt_epsilons(child)]
