@@ -43,8 +43,8 @@ from .fallback_cpu import has_root_block
 from .isa import VectorISA
 from .row_chunks import chunk_steps, element_steps, narrowest_chunk
 
-SOFTMAX_BLOCKS = frozenset({"T_softmax_maxelem", "T_softmax_delta", "T_fast_exp", "T_softmax_expsum",
-                            "T_softmax_norm"})
+SOFTMAX_BLOCKS = frozenset({"T_softmax_maxelem", "T_softmax_delta", "T_fast_exp",
+                            "T_softmax_expsum", "T_softmax_norm"})
 # TOPI names a layer norm's first three blocks after its input
 LAYER_NORM_SUFFIXES = ("_sum", "_mean", "_var_sum")
 LAYER_NORM_OUT = "T_layer_norm"
@@ -94,8 +94,9 @@ def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool
 
     def exp_chunk(column, count):
         shifted = rows.at(x, column, count) - _splat(maximum, count)
+        exponentials = rows.at(y, column, count)
         return tirx.SeqStmt([rows.store(y, fast_exp(shifted, count), column, count),
-                             rows.accumulate(total, rows.at(y, column, count), count, operator.add)])
+                             rows.accumulate(total, exponentials, count, operator.add)])
 
     lowest = tirx.const(-3.4028234663852886e38, data.dtype)
     return rows.loop(parallel, [

@@ -8,8 +8,8 @@ write-back, schedules each shape bucket of dispatch.py, and joins the versions w
 the run-time extent. Each row version comes serial and parallel where the kernel's work may
 fall below the parallel threshold (dispatch.parallel_buckets). Winograd's transform kernels
 have no register tiles, so only those two versions (winograd.py). A last-axis softmax or layer
-norm gets the row kernel of row_kernels.py. PrimFuncs without a kernel block are left to the fallback
-schedule.
+norm gets the row kernel of row_kernels.py. PrimFuncs without a kernel block are left to the
+fallback schedule.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from .dispatch import (
 from .fallback_cpu import has_root_block, is_scheduled, parallelize_outer_loops
 from .isa import VectorISA, isa_for_target
 from .knob_database import KnobDatabase
-from .row_kernels import schedule_row_kernel
 from .register_tile import (
     KERNEL_ANNOTATION,
     REDUCTION_UNROLL_ANNOTATION,
@@ -41,6 +40,7 @@ from .register_tile import (
     apply_rewrites,
     schedule_register_tiles,
 )
+from .row_kernels import schedule_row_kernel
 
 REGISTER_TILE_KERNELS = {conv2d.DIRECT, gemm.DENSE, gemm.MATMUL}
 # the kernels whose tiles block is a register-tiled multiply-accumulate (dispatch.loop_work)

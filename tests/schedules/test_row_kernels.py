@@ -4,7 +4,7 @@ row width."""
 import numpy as np
 import onnx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
@@ -72,7 +72,7 @@ def test_softmax_over_another_axis_keeps_the_fallback_schedule(knob_database):
 
 @given(batch=st.integers(1, 3), sequence=st.integers(1, 70), spread=st.sampled_from([1.0, 60.0]),
        data=st.data())
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None)
 def test_row_softmax_matches_onnxruntime_at_any_width(compiled_sessions, batch, sequence, spread,
                                                       data):
     """Every width from 1 to past four vectors (each chunk size and leftover count), serial and
@@ -99,12 +99,13 @@ def layer_norm_model(width: int, axis: int = -1) -> onnx.ModelProto:
     that ignored it would fail), as a transformer's, with random gamma and beta."""
     rng = np.random.default_rng(width)
     normalized = [width] if axis == -1 else [3, width]
+    shape = ["n", "s" if axis == -1 else 3, width]
     nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["y"], axis=axis,
                               epsilon=1e-3)]
     graph = helper.make_graph(
         nodes, "layer_norm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3 if axis != -1 else "s", width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3 if axis != -1 else "s", width])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
         [numpy_helper.from_array(rng.standard_normal(normalized).astype(np.float32), "gamma"),
          numpy_helper.from_array(rng.standard_normal(normalized).astype(np.float32), "beta")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -131,7 +132,8 @@ def test_row_layer_norm_matches_onnxruntime_at_vector_edges(knob_database, width
     standard deviation of 1, where the variance as a difference of squares would cancel (x^2
     near 1e4 carries float32 errors near 1e-3 of the variance)."""
     model = layer_norm_model(width)
-    session = tightfit.compile(model, options=PipelineOptions(knob_database=knob_database)).session()
+    options = PipelineOptions(knob_database=knob_database)
+    session = tightfit.compile(model, options=options).session()
     rng = np.random.default_rng(width)
     for batch, sequence, mean in [(1, 1, 0.0), (2, 7, 0.0), (3, 33, 100.0)]:
         feeds = {"x": (rng.standard_normal((batch, sequence, width)) + mean).astype(np.float32)}
