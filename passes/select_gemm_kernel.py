@@ -24,13 +24,7 @@ from ..schedules import gemm
 from ..schedules.isa import isa_for_target
 from ..schedules.kernel_call import WeightOnly, emit_kernel, emit_weight_transform
 from ..schedules.knob_database import KnobDatabase
-from ..schedules.register_tile import default_tile_knobs
-
-# The column count a symbolic one is tiled for: 16, one AVX-512 vector (four NEON ones).
-# Attention's scores (tokens x tokens) are the case; 32-wide panels did twice the work at 16
-# tokens and 6x at 5 (transformer_encoder_dynamo's Q.K^T kernel, one process: 1x5 tokens
-# 1.14 -> 0.59 us, 3x16 4.1 -> 2.4 us, 2x33 7.3 -> 6.8 us; at 1x128 12-14 us either way).
-SYMBOLIC_COLUMNS = 16
+from ..schedules.register_tile import SYMBOLIC_COLUMNS, default_tile_knobs
 
 
 @relax.expr_functor.mutator

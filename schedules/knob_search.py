@@ -63,6 +63,7 @@ from .register_tile import (
     MAX_ROWS,
     REDUCTION_UNROLL_ANNOTATION,
     ROWS_ANNOTATION,
+    SYMBOLIC_COLUMNS,
     VECTORS_ANNOTATION,
     TileKnobs,
     tile_cost,
@@ -324,11 +325,12 @@ def _knobs_of(func: tirx.PrimFunc) -> TileKnobs:
 
 
 def _static_columns(func: tirx.PrimFunc) -> int:
-    """A kernel's output columns (a conv's output channels), 64 where symbolic."""
+    """A kernel's output columns (a conv's output channels), SYMBOLIC_COLUMNS where symbolic:
+    the count SelectGemmKernel tiles them for and looks their records up by."""
     kind = str(_kernel_annotations(func)[KERNEL_ANNOTATION])
     output = func.params[-1]
     columns = output.shape[1] if kind in ("conv2d_direct", WIDTH_VECTORS) else output.shape[-1]
-    return int(columns) if isinstance(columns, tirx.IntImm) else 64
+    return int(columns) if isinstance(columns, tirx.IntImm) else SYMBOLIC_COLUMNS
 
 
 def _has_tile_knobs(annotations: dict) -> bool:

@@ -83,6 +83,12 @@ ROW_TILES_OUTER_MAX_WEIGHT_BYTES = 128 << 10
 # Vectors across a skinny GEMM's panel (fewer rows than a tile): the independent accumulator
 # chains that hide the FMA latency (two pipes x four cycles) where the rows are too few to.
 SKINNY_VECTORS = 8
+# The column count a symbolic one is tiled for (SelectGemmKernel) and searched under
+# (knob_search): 16, one AVX-512 vector (four NEON ones). Attention's scores (tokens x tokens)
+# are the case; 32-wide panels did twice the work at 16 tokens and 6x at 5
+# (transformer_encoder_dynamo's Q.K^T kernel, one process: 1x5 tokens 1.14 -> 0.59 us, 3x16
+# 4.1 -> 2.4 us, 2x33 7.3 -> 6.8 us; at 1x128 12-14 us either way).
+SYMBOLIC_COLUMNS = 16
 # Rows of the SHORT_ROW_TILES version's tile (short_tile_knobs): the narrowest maps it covers.
 SHORT_TILE_ROWS = 4
 

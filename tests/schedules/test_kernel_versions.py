@@ -66,6 +66,16 @@ def batched_matmul_model(columns: int) -> onnx.ModelProto:
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "m", columns])], [])
 
 
+def attention_scores_model() -> onnx.ModelProto:
+    """q[2, s, 8] @ k[2, 8, s] / 2: attention's scores, columns as symbolic as the rows."""
+    return _model("attention_scores", [helper.make_node("MatMul", ["q", "k"], ["scores"]),
+                                       helper.make_node("Div", ["scores", "two"], ["y"])],
+                  [helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, "s", 8]),
+                   helper.make_tensor_value_info("k", TensorProto.FLOAT, [2, 8, "s"])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "s", "s"])],
+                  [numpy_helper.from_array(np.array(2, np.float32), "two")])
+
+
 def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3,
                stride: int = 1, pads: list[int] | None = None,
                height: int | str = 5) -> onnx.ModelProto:
@@ -185,12 +195,7 @@ def test_attention_scores_over_a_symbolic_sequence_match_onnxruntime(knob_databa
     is one vector (SelectGemmKernel's SYMBOLIC_COLUMNS: 32-wide panels did twice the work at 16
     tokens) and each row is written with masked vector stores, not a check per column; every
     sequence across two vectors and the row buckets' edges matches."""
-    model = _model("attention_scores", [helper.make_node("MatMul", ["q", "k"], ["scores"]),
-                                        helper.make_node("Div", ["scores", "two"], ["y"])],
-                   [helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, "s", 8]),
-                    helper.make_tensor_value_info("k", TensorProto.FLOAT, [2, 8, "s"])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "s", "s"])],
-                   [numpy_helper.from_array(np.array(2, np.float32), "two")])
+    model = attention_scores_model()
     kernel = _scheduled_kernel(model, "matmul_packed_rhs", knob_database)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     assert '"tightfit.vectors": 1' in kernel and "masked_store" in kernel

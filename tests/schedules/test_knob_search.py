@@ -4,7 +4,7 @@ on-disk database keyed by target, kind and bucket, and compiles then use the rec
 import json
 
 import numpy as np
-from test_kernel_versions import conv_model, dense_model
+from test_kernel_versions import attention_scores_model, conv_model, dense_model
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
@@ -13,7 +13,7 @@ from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import AVX512, isa_for_target
 from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.schedules.knob_search import candidate_knobs, search
-from tightfit.schedules.register_tile import TileKnobs
+from tightfit.schedules.register_tile import SYMBOLIC_COLUMNS, TileKnobs
 from tightfit.target import resolve_target
 from tvm import tirx
 
@@ -37,6 +37,27 @@ def test_search_records_the_fastest_candidate_and_compiles_use_it(tmp_path):
     feeds = {"x": np.random.default_rng(0).standard_normal((37, 24)).astype(np.float32)}
     ours = tightfit.compile(model, options=options).session().run(feeds)
     np.testing.assert_allclose(ours["y"], run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_search_over_symbolic_columns_records_what_compiles_look_up(tmp_path):
+    """Attention's scores (columns = the sequence): the search keys the kernel by the column
+    count SelectGemmKernel tiles a symbolic one for, so the compile finds the record (a search
+    that keyed it as 64 columns wrote records no compile read)."""
+    database = tmp_path / "knobs.json"
+    model = attention_scores_model()
+    results = search(model, database, {"q": (2, 20, 8), "k": (2, 8, 20)}, max_candidates=2)
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    bucket = f"matmul_packed_rhs/v{-(-SYMBOLIC_COLUMNS // lanes)}/mdyn"
+    assert list(results) == [bucket]
+    knobs = results[bucket]["knobs"]
+    target = resolve_target("host").tvm_target
+    looked_up = KnobDatabase.open(str(database), target).tile_knobs(
+        "matmul_packed_rhs", SYMBOLIC_COLUMNS, tirx.Var("s", "int64"), isa_for_target(target))
+    assert looked_up == knobs
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                                PipelineOptions(knob_database=str(database)),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert f'"tightfit.rows": {knobs.rows}' in scheduled.script()
 
 
 def test_candidates_fit_the_register_budget_and_the_columns():
