@@ -29,6 +29,8 @@ from .tail_tiles import tile_domain
 
 DENSE = "dense_packed"
 MATMUL = "matmul_packed_rhs"
+# the stage that packs matmul_packed_rhs's rhs into panels (padding.vector_panel_rows)
+RHS_PANELS = "matmul_rhs_panels"
 
 
 def pack_dense_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
@@ -80,7 +82,7 @@ def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
                                  tirx.const(0, rhs.dtype))
 
     rhs_panels = te.compute((*batch, panels, reduction, panel_width), packed,
-                            name="matmul_rhs_panels", attrs={STAGE_ANNOTATION: "packed_rhs"})
+                            name=RHS_PANELS, attrs={STAGE_ANNOTATION: "packed_rhs"})
     k = te.reduce_axis((0, reduction), "k")
 
     def tile_value(*index):

@@ -23,6 +23,12 @@ At stride 1, in a kernel version for rows of at least a vector, the chunks and s
 give way to one more whole vector, shifted back to end at the row's end (`_shifted_tail_copy`).
 
 The row checks move from every element to every row; no load leaves the image row.
+
+`vector_panel_rows` does the same for matmul_packed_rhs's panels (gemm.py), whose packing
+stage is `panel[.., p, k, lane] = if p * W + lane < N: rhs[.., k, p * W + lane] else 0` per
+element: a panel row is one vector load from the rhs row where the panel is whole, and in the
+last panel of a symbolic N a masked load, zeros past N (attention's Q.K^T at 16 tokens spent
+about a third of its time packing K one element at a time).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ import functools
 
 import tvm
 from tvm import s_tir, tirx
+from tvm.tirx.op import masked_load
 
-from .row_chunks import chunk_steps, element_steps, narrowest_chunk
+from .row_chunks import chunk_steps, element_steps, narrowest_chunk, substitute
 from .tail_tiles import rewrite_loop_nest, uses_any
 
 # On a packing stage built by conv2d.pack_input_phases: [top, left, stride_w]
@@ -60,6 +67,82 @@ def vector_packing_rows(func: tirx.PrimFunc, block_name: str, lanes: int,
         return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, row)
 
     return func.with_body(rewrite_loop_nest(func.body, lambda realize: realize, replace))
+
+
+def vector_panel_rows(func: tirx.PrimFunc, block_name: str) -> tirx.PrimFunc:
+    """`func` with the panel packing block `block_name` (gemm.matmul_packed_rhs), whose lane
+    loop must be its innermost loop, writing each panel row with one vector load: a plain
+    one where the row's lanes are all inside the rhs, a masked one (zeros past its end) where
+    they are not. Left as it is where the block is not that gather of one rhs row."""
+
+    def replace(loop: tirx.For):
+        lane_loop = loop.body
+        if not (isinstance(lane_loop, tirx.For) and isinstance(lane_loop.extent, tirx.IntImm)
+                and isinstance(lane_loop.body, s_tir.SBlockRealize)
+                and lane_loop.body.block.name_hint == block_name):
+            return None
+        row = _panel_row(lane_loop)
+        if row is None:
+            return None
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, row,
+                        loop.thread_binding, loop.annotations)
+
+    return func.with_body(rewrite_loop_nest(func.body, lambda realize: realize, replace))
+
+
+def _panel_row(lane_loop: tirx.For) -> s_tir.SBlockRealize | None:
+    realize = lane_loop.body
+    block = realize.block
+    store = block.body
+    if not (isinstance(store, tirx.BufferStore) and isinstance(store.value, tvm.ir.expr.Call)
+            and store.value.op.same_as(tvm.ir.Op.get("prim.if_then_else"))):
+        return None
+    inside, load, _ = store.value.args
+    if not (isinstance(inside, tirx.LT) and isinstance(load, tvm.ir.expr.TensorLoad)):
+        return None
+    lane_vars = [iv.var for iv, value in zip(block.iter_vars, realize.iter_values)
+                 if value.same_as(lane_loop.loop_var)]
+    if len(lane_vars) != 1:
+        return None
+    lane = lane_vars[0]
+    index_type = lane.ty.dtype
+    zero = tirx.const(0, index_type)
+    column, columns = inside.a, inside.b
+    first_column = substitute(column, {lane: zero})
+    first_lane = substitute(store.indices[-1], {lane: zero})
+    analyzer = tvm.sym.Analyzer()
+    if (not analyzer.can_prove_equal(column, first_column + lane)
+            or not analyzer.can_prove_equal(store.indices[-1], first_lane + lane)
+            or uses_any(columns, [lane])
+            or any(uses_any(index, [lane]) for index in [*load.indices[:-1], *store.indices[:-1]])):
+        return None
+
+    bindings = {iv.var: value for iv, value in zip(block.iter_vars, realize.iter_values)
+                if not iv.var.same_as(lane)}
+    width = int(lane_loop.extent)
+    source, panel = load.source, store.buffer
+    row = [substitute(index, bindings) for index in load.indices[:-1]]
+    panel_row = [substitute(index, bindings) for index in store.indices[:-1]]
+    begin, columns = substitute(first_column, bindings), substitute(columns, bindings)
+    source_lanes = tirx.Ramp(begin, tirx.const(1, index_type), width)
+    panel_lanes = tirx.Ramp(substitute(first_lane, bindings), tirx.const(1, index_type), width)
+    lanes = tirx.Ramp(zero, tirx.const(1, index_type), width)
+    valid = lanes < tirx.Broadcast(columns - begin, width)
+    vector_type = f"{source.dtype}x{width}"
+    partial = tirx.Select(valid, masked_load(vector_type, source, *row, source_lanes, valid),
+                          tirx.Broadcast(tirx.const(0, source.dtype), width))
+    body = tirx.IfThenElse(
+        begin + width <= columns,
+        tirx.BufferStore(panel, tirx.BufferLoad(source, [*row, source_lanes]),
+                         [*panel_row, panel_lanes]),
+        tirx.BufferStore(panel, partial, [*panel_row, panel_lanes]))
+    whole = tvm.ir.Range.from_min_extent
+    reads = [tirx.BufferRegion(source, [whole(index, 1) for index in row]
+                               + [whole(0, source.shape[-1])])]
+    writes = [tirx.BufferRegion(panel, [whole(index, 1) for index in panel_row]
+                                + [whole(panel_lanes.base, width)])]
+    return s_tir.SBlockRealize([], tirx.const(True, "bool"), s_tir.SBlock(
+        [], reads, writes, block.name_hint, body))
 
 
 def _row_loop_realize(loop: tirx.For) -> s_tir.SBlockRealize | None:

@@ -40,7 +40,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from .isa import VectorISA
-from .padding import vector_packing_rows
+from .padding import vector_packing_rows, vector_panel_rows
 from .prefetch import prefetch_channels_ahead
 from .row_chunks import masked_row_write_back
 from .tail_tiles import restrict_loop, shift_tail_tile
@@ -233,8 +233,9 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
     """Apply a schedule's rewrites of the finished PrimFunc, in order: ("shift", ...) shifts the
     last tile back (tail_tiles.shift_tail_tile), ("restrict", loop var, extent) cuts a loop
     (tail_tiles.restrict_loop), ("pack_rows", block name, lanes[, condition the version runs
-    under]) writes a packing stage in vectors (padding.vector_packing_rows), ("write_rows",
-    block name) stores a checked write-back's rows with masked vector stores
+    under]) writes a packing stage in vectors (padding.vector_packing_rows), ("pack_panels",
+    block name) writes a panel packing stage in vectors (padding.vector_panel_rows),
+    ("write_rows", block name) stores a checked write-back's rows with masked vector stores
     (row_chunks.masked_row_write_back), ("prefetch", block name, reduction loop var, buffer
     name) prefetches a buffer's reads channels ahead (prefetch.prefetch_channels_ahead)."""
     for rewrite in rewrites:
@@ -244,6 +245,8 @@ def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:
         elif rewrite[0] == "pack_rows":
             _, block_name, lanes, *version_condition = rewrite
             func = vector_packing_rows(func, block_name, lanes, *version_condition)
+        elif rewrite[0] == "pack_panels":
+            func = vector_panel_rows(func, rewrite[1])
         elif rewrite[0] == "write_rows":
             func = masked_row_write_back(func, rewrite[1])
         elif rewrite[0] == "prefetch":

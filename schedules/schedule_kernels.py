@@ -110,6 +110,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
                               int(annotations.get(REDUCTION_UNROLL_ANNOTATION, 1)))
             rewrites = schedule_register_tiles(sch, tiles, out_block, row_extent, out_row_axis,
                                                knobs, isa, version, parallel)
+            if kind == gemm.MATMUL:
+                rewrites.append(("pack_panels", gemm.RHS_PANELS))
         elif kind == conv2d.WIDTH_VECTORS:
             rewrites = conv2d.schedule_width_vectors(
                 sch, tiles, out_block, row_extent, out_row_axis,

@@ -29,7 +29,7 @@ from tightfit.schedules.isa import isa_for_target
 from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.schedules.prefetch import PREFETCH_CHANNELS_AHEAD, PREFETCH_MIN_CHANNELS
 from tightfit.schedules import register_tile
-from tightfit.schedules.register_tile import TileKnobs, default_tile_knobs
+from tightfit.schedules.register_tile import SYMBOLIC_COLUMNS, TileKnobs, default_tile_knobs
 from tightfit.schedules.tail_tiles import rewrite_loop_nest
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
@@ -192,14 +192,19 @@ def test_dense_versions_match_onnxruntime_at_row_bucket_edges(knob_database, mon
 
 def test_attention_scores_over_a_symbolic_sequence_match_onnxruntime(knob_database):
     """q[2, s, 8] @ k[2, 8, s] / 2, attention's scores: columns as symbolic as the rows. The panel
-    is one vector (SelectGemmKernel's SYMBOLIC_COLUMNS: 32-wide panels did twice the work at 16
-    tokens) and each row is written with masked vector stores, not a check per column; every
-    sequence across two vectors and the row buckets' edges matches."""
+    is SYMBOLIC_COLUMNS wide (SelectGemmKernel; 32-wide panels did twice the work at 16
+    tokens). Each row of k is packed a panel row per vector load, a masked one in the last panel
+    (padding.vector_panel_rows), not a check per element; each score row is written with plain
+    vector stores where whole and masked ones at the sequence's end, not a check per column.
+    Every sequence across two panels and the row buckets' edges matches."""
     model = attention_scores_model()
     kernel = _scheduled_kernel(model, "matmul_packed_rhs", knob_database)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
-    assert '"tightfit.vectors": 1' in kernel and "masked_store" in kernel
-    extents = sorted(set(range(1, 2 * lanes + 2)) | set(register_tile_edges(host_rows(lanes))))
+    assert f'"tightfit.vectors": {SYMBOLIC_COLUMNS // lanes}' in kernel
+    assert "masked_load" in kernel and "if_then_else" not in kernel
+    assert "masked_store" in kernel
+    assert re.search(r"\n\s*T_divide_intermediate\[[^\n]*\] = matmul_packed_rhs_out_row\[", kernel)
+    extents = sorted(set(range(1, 4 * lanes + 2)) | set(register_tile_edges(host_rows(lanes))))
     assert_matches_onnxruntime(model, "matmul_packed_rhs", knob_database,
                                lambda s: {"q": _normal(2, s, 8), "k": _normal(2, 8, s)}, extents)
 
