@@ -43,6 +43,8 @@ class Session:
         self._vm = relax.VirtualMachine(executable, self.device)
         self._main = self._vm["main"]
         self._input_names = [spec.name for spec in package.inputs]
+        # a property building the list took 0.5 us of a 9 us run
+        self._output_names = [spec.name for spec in package.outputs]
         self.weights = [device_tensor(weight.value, self.device) for weight in package.weights]
         self._on_host = remote is None and _is_host(self.device)
         self._handed_out = {spec.name for spec, fresh in zip(package.outputs, package.fresh_outputs)
@@ -62,16 +64,16 @@ class Session:
 
     @property
     def output_names(self) -> list[str]:
-        return [spec.name for spec in self.package.outputs]
+        return list(self._output_names)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the model; returns the outputs by ONNX output name, in the graph's order."""
         arguments = self.prepare_inputs(feeds)
         values = _flatten(self._main(*arguments, *self.weights))
         if not self._on_host:
-            return {name: value.numpy() for name, value in zip(self.output_names, values)}
+            return {name: value.numpy() for name, value in zip(self._output_names, values)}
         return {name: np.from_dlpack(value) if name in self._handed_out else value.numpy()
-                for name, value in zip(self.output_names, values)}
+                for name, value in zip(self._output_names, values)}
 
     def prepare_inputs(self, feeds: dict[str, np.ndarray]) -> list[tvm.runtime.Tensor]:
         """Check `feeds` against the model's inputs and place them on the device. Feeds with
