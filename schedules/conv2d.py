@@ -319,13 +319,22 @@ def flatten_output_pixels(sch: s_tir.Schedule, out_block) -> None:
 
 
 def width_tile_knobs(isa: VectorISA, out_channels: int,
-                     pointwise_weight_bytes: int | None = None, groups: int = 1) -> TileKnobs:
-    """Channel rows x vectors of columns for a conv2d_width_vectors tile.
+                     pointwise_weight_bytes: int | None = None, groups: int = 1,
+                     vectors: int | None = None) -> TileKnobs:
+    """Channel rows x vectors of columns for a conv2d_width_vectors tile (`vectors` given: the
+    channel rows for that many).
 
-    One vector along an output row: the shifted tail of two-vector tiles recomputes up to a
-    vector per row (a 40-wide output in 32-column tiles computes 64 columns), and widths of one
-    vector up run the tiled version. Measured on the zoo's layers (AVX-512, 2 threads), one
-    vector beat two by 1.2-1.5x. A pointwise conv's tiles run along the whole flattened pixel
+    One vector along an output row where a multiply-add reads its broadcast weight from memory
+    (isa.fma_reads_broadcast: AVX-512, NEON): the shifted tail of two-vector tiles recomputes up
+    to a vector per row (a 40-wide output in 32-column tiles computes 64 columns), and widths of
+    one vector up run the tiled version. Measured on the zoo's layers (AVX-512, 2 threads), one
+    vector beat two by 1.2-1.5x. Two vectors on AVX2, where each channel row's weight costs a
+    broadcast load of its own (an 8 x 1 tile issues 9 loads for 8 FMAs, a 4 x 2 tile 6): on an
+    AMD AVX2 host, 2 threads, resnet_style's 16 -> 16 3x3 convs at 4 x 32 x 32 took 290 and
+    298 us in 8 x 1 tiles, 209 and 215 us in 4 x 2; whole runs in one process, resnet_style at
+    4x3x32x32 990 -> 736 us, conv_dynamic_hw at 1x3x32x32 45 -> 28 us, at 45 x 61 70 -> 52 us,
+    at 64 x 20 69 -> 58 us, mobilenet_v2_style at 2x3x96x80 1157 -> 1078 us (its 3x3 convs are
+    the stem and depthwise ones; 64 x 64 unchanged). A pointwise conv's tiles run along the whole flattened pixel
     plane, where two vectors add no tail per row and halve the broadcasts per multiply-add (a
     6 x 2 tile broadcasts 6 weights and loads 2 input vectors for 12 FMAs; 13 x 1, 13 and 1 for
     13): mobilenet_v2_style's 16 -> 64 layers at 2 x 48 x 40 went from 24.8 to 19.4 us, its
@@ -339,8 +348,10 @@ def width_tile_knobs(isa: VectorISA, out_channels: int,
     With `groups` > 1 only counts dividing a group's output channels qualify (a ResNeXt group
     of 4 channels gets 4-row tiles).
     """
-    vectors = 2 if (pointwise_weight_bytes is not None
-                    and pointwise_weight_bytes <= ROW_TILES_OUTER_MAX_WEIGHT_BYTES) else 1
+    if vectors is None and pointwise_weight_bytes is not None:
+        vectors = 2 if pointwise_weight_bytes <= ROW_TILES_OUTER_MAX_WEIGHT_BYTES else 1
+    elif vectors is None:
+        vectors = 1 if isa.fma_reads_broadcast else 2
     fitting = [r for r in range(1, MAX_ROWS + 1) if isa.fits_registers(r, vectors)
                and (groups == 1 or (out_channels // groups) % r == 0)]
     channel_rows = min(fitting, key=lambda r: (-(-out_channels // r) * tile_cost(r, vectors), -r))

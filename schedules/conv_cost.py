@@ -293,22 +293,26 @@ def _direct(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
 
 
 def _width_vectors(shape: ConvShape, isa: VectorISA, rates: Rates) -> Candidate:
-    """Tiles of output channels x a vector of output columns (conv2d.conv2d_width_vectors):
-    each row is covered in whole vectors (the shifted tail recomputes the rest), and for a
+    """Tiles of output channels x one or two vectors of output columns
+    (conv2d.conv2d_width_vectors): each row is covered in whole tiles (the shifted tail
+    recomputes the rest), and for a
     pointwise conv the row is the image's whole flattened pixel plane. Narrower than a vector,
     a conv computes one whole vector per row; a pointwise conv goes pixel by pixel with its
     channel rows as the vector, using channel_rows of its lanes."""
     out_h, out_w = shape.out_hw
     kh, kw = shape.kernel
-    # the one-vector tile, also for a pointwise conv that gets two (width_tile_knobs): costed at
-    # a typical extent, a late layer's map is a few pixels, where two vectors' fewer channel rows
-    # cost much more, and six of MobileNetV2's pointwise layers went to conv2d_direct, 4x slower
-    # on their real 14 x 14 maps
-    channel_rows = width_tile_knobs(isa, shape.out_channels, groups=shape.groups).rows
     pointwise = is_pointwise(*shape.kernel, shape.strides, shape.padding)
+    # the one-vector tile for a pointwise conv, also one that gets two (width_tile_knobs):
+    # costed at a typical extent, a late layer's map is a few pixels, where two vectors' fewer
+    # channel rows cost much more, and six of MobileNetV2's pointwise layers went to
+    # conv2d_direct, 4x slower on their real 14 x 14 maps
+    knobs = width_tile_knobs(isa, shape.out_channels, groups=shape.groups,
+                             vectors=1 if pointwise else None)
+    channel_rows = knobs.rows
     rows, row_width = (1, out_h * out_w) if pointwise else (out_h, out_w)
     if row_width >= isa.lanes:
-        columns = -(-row_width // isa.lanes) * isa.lanes
+        tile_width = knobs.vectors * isa.lanes  # the shifted tail covers a row in whole tiles
+        columns = -(-row_width // tile_width) * tile_width
     elif pointwise:
         columns = row_width * isa.lanes / min(channel_rows, isa.lanes)
     else:

@@ -34,6 +34,9 @@ class VectorISA:
     name: str
     lanes: int  # fp32 elements in one vector register
     registers: int  # architectural vector registers
+    # whether a multiply-add takes its broadcast scalar from memory (AVX-512's embedded
+    # broadcast, NEON's by-element multiply-add) rather than from a vbroadcastss of its own
+    fma_reads_broadcast: bool
 
     def fits_registers(self, rows: int, vectors: int) -> bool:
         """Does a rows x vectors accumulator tile fit in registers, with its B vectors and one A
@@ -42,10 +45,10 @@ class VectorISA:
         return rows * vectors + vectors + 1 <= self.registers and tile_bytes < MAX_STACK_ALLOCA_BYTES
 
 
-AVX512 = VectorISA("avx512", lanes=16, registers=32)
-AVX2 = VectorISA("avx2", lanes=8, registers=16)
-NEON = VectorISA("neon", lanes=4, registers=32)
-SSE = VectorISA("sse", lanes=4, registers=16)
+AVX512 = VectorISA("avx512", lanes=16, registers=32, fma_reads_broadcast=True)
+AVX2 = VectorISA("avx2", lanes=8, registers=16, fma_reads_broadcast=False)
+NEON = VectorISA("neon", lanes=4, registers=32, fma_reads_broadcast=True)
+SSE = VectorISA("sse", lanes=4, registers=16, fma_reads_broadcast=False)
 
 
 def isa_for_target(target: tvm.target.Target | None) -> VectorISA:

@@ -390,6 +390,30 @@ def test_width_tile_records_apply_unless_a_tile_would_straddle_groups(tmp_path, 
                                lambda w: {"x": _normal(1, 16, 5, w)}, [3, 17])
 
 
+@pytest.mark.parametrize("mcpu, vectors", [("haswell", 2), ("skylake-avx512", 1)],
+                         ids=["avx2", "avx512"])
+def test_width_tiles_are_two_vectors_where_each_broadcast_costs_a_load(mcpu, vectors):
+    """A 3x3 conv's width tiles: one vector where a multiply-add reads its broadcast weight from
+    memory (AVX-512, NEON), two on AVX2, where each channel row's weight is a load of its own
+    (conv2d.width_tile_knobs). The AVX2 kernel runs on any x86-64 host with AVX2 and matches
+    onnxruntime across its 16-column tiles' edges."""
+    target = {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}
+    assert conv2d.width_tile_knobs(isa_for_target(tvm.target.Target(target)), 16).vectors == vectors
+    model = conv_model(16, 16, groups=1)
+    options = PipelineOptions(conv_algorithms=("width_vectors",))
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target(target), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert f'"tightfit.vectors": {vectors}' in scheduled.script()
+    host = resolve_target("host").tvm_target
+    if mcpu != "haswell" or not tvm.target.codegen.target_has_features("avx2", host):
+        return
+    session = tightfit.compile(model, target, options=options).session()
+    for width in [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 40]:
+        feeds = {"x": _normal(1, 16, 5, width)}
+        np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                                   rtol=1e-4, atol=1e-4, err_msg=f"width {width}")
+
+
 @given(groups=st.integers(2, 64), group_out_channels=st.integers(1, 96),
        pointwise_weight_bytes=st.sampled_from([None, 1 << 10, 1 << 20]))
 def test_grouped_width_tiles_never_straddle_two_groups(groups, group_out_channels,
