@@ -38,6 +38,10 @@ from onnx.backend.base import Backend, BackendRep
 
 PASS, FAIL, NOT_SUPPORTED = "pass", "fail", "not-supported"
 CASE_TIMEOUT_S = 30  # a case still compiling after this counts as failed
+# A worker's start (importing TVM, tightfit and onnx's cases) is not a case's time: on a loaded
+# 2-core machine it took most of the first cases' 30 s, and they "timed out" in CI.
+WORKER_START_TIMEOUT_S = 300
+READY = "ready"
 # Element types tightfit compiles for; others (float8, int4, strings...) are outside its scope.
 SUPPORTED_DTYPES = frozenset(
     ["float16", "bfloat16", "float32", "float64", "bool", "int8", "int16", "int32", "int64",
@@ -234,8 +238,20 @@ class _Worker:
                                         stderr=subprocess.DEVNULL, text=True, env=environment)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.process.stdout, selectors.EVENT_READ)
+        self.ready = False
+
+    def _await_ready(self):
+        if not self.selector.select(timeout=WORKER_START_TIMEOUT_S) \
+                or self.process.stdout.readline().strip() != READY:
+            self.stop()
+            raise RuntimeError(f"a conformance worker ({self.engine}) did not start within "
+                               f"{WORKER_START_TIMEOUT_S} s; run `python -m tightfit.conformance "
+                               f"--worker {self.engine}` to see why")
+        self.ready = True
 
     def send(self, name: str):
+        if not self.ready:
+            self._await_ready()
         self.current, self.started = name, time.monotonic()
         self.process.stdin.write(name + "\n")
         self.process.stdin.flush()
@@ -270,6 +286,11 @@ def _worker_main(engine: str) -> None:
     replies = sys.stdout
     sys.stdout = sys.stderr  # converters print diagnostics; only replies go to the parent
     cases = node_cases()
+    from onnx.backend.test.runner import Runner  # noqa: F401 - imported before the first case
+
+    from . import api  # noqa: F401
+    replies.write(READY + "\n")
+    replies.flush()
     for line in sys.stdin:
         name = line.strip()
         started = time.perf_counter()
