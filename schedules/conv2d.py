@@ -334,11 +334,12 @@ def width_tile_knobs(isa: VectorISA, out_channels: int,
     298 us in 8 x 1 tiles, 209 and 215 us in 4 x 2; whole runs in one process, resnet_style at
     4x3x32x32 990 -> 736 us, conv_dynamic_hw at 1x3x32x32 45 -> 28 us, at 45 x 61 70 -> 52 us,
     at 64 x 20 69 -> 58 us, mobilenet_v2_style at 2x3x96x80 1157 -> 1078 us (its 3x3 convs are
-    the stem and depthwise ones; 64 x 64 unchanged). A pointwise conv's tiles run along the whole flattened pixel
-    plane, where two vectors add no tail per row and halve the broadcasts per multiply-add (a
-    6 x 2 tile broadcasts 6 weights and loads 2 input vectors for 12 FMAs; 13 x 1, 13 and 1 for
-    13): mobilenet_v2_style's 16 -> 64 layers at 2 x 48 x 40 went from 24.8 to 19.4 us, its
-    64 -> 16 layers from 29 to 26 us, MobileNetV2's 16 -> 96 at 112 x 112 from 153 to 103 us.
+    the stem and depthwise ones; 64 x 64 unchanged). A pointwise conv's tiles run along the
+    whole flattened pixel plane, where two vectors add no tail per row and halve the
+    broadcasts per multiply-add (a 6 x 2 tile broadcasts 6 weights and loads 2 input vectors
+    for 12 FMAs; 13 x 1, 13 and 1 for 13): mobilenet_v2_style's 16 -> 64 layers at 2 x 48 x 40
+    went from 24.8 to 19.4 us, its 64 -> 16 layers from 29 to 26 us, MobileNetV2's 16 -> 96 at
+    112 x 112 from 153 to 103 us.
     Not where the weights (`pointwise_weight_bytes`) exceed ROW_TILES_OUTER_MAX_WEIGHT_BYTES:
     those layers come late in a network, on maps of a few hundred pixels or less, where fewer
     channel rows cost more than the broadcasts save (a map under two vectors runs pixel by

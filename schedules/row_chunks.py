@@ -73,8 +73,9 @@ def masked_row_write_back(func: tirx.PrimFunc, block_name: str) -> tirx.PrimFunc
     """`func` with the write-back block `block_name`, where a vectorized column loop runs it
     under a check on the column (the split's bound: column < the output's width), computing
     the whole vector into a row buffer and storing it whole where it fits in the row, else the
-    row's valid columns with one masked store. Left as it is where the block's value reads a function parameter along the
-    columns (a residual input): the whole vector would read past it."""
+    row's valid columns with one masked store. Left as it is where the block's value reads a
+    function parameter along the columns (a residual input): the whole vector would read past
+    it."""
     params = [param for param in func.params if hasattr(param, "shape")]
 
     def replace(loop: tirx.For):
