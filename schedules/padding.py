@@ -94,6 +94,8 @@ def _panel_row(lane_loop: tirx.For) -> s_tir.SBlockRealize | None:
     realize = lane_loop.body
     block = realize.block
     store = block.body
+    if not (isinstance(realize.predicate, tirx.IntImm) and realize.predicate.value):
+        return None  # a split's bound checked per element: the whole row might not be packed
     if not (isinstance(store, tirx.BufferStore) and isinstance(store.value, tvm.ir.expr.Call)
             and store.value.op.same_as(tvm.ir.Op.get("prim.if_then_else"))):
         return None
