@@ -184,7 +184,7 @@ class _ConvRewriter(relax.PyExprMutator):
             row_extent = out_width * call.ty.shape[2] if pointwise else out_width
             in_channels = int(call.args[1].ty.shape[1]) * groups
             channel_vectors = pointwise and conv2d.uses_channel_vectors(
-                self.isa, in_channels, out_channels, groups)
+                self.isa, in_channels, out_channels, groups, _pointwise_weight_bytes(call))
             knobs = self.database.tile_knobs(conv2d.tile_kind(pointwise), out_channels, row_extent,
                                              self.isa)
             if channel_vectors:

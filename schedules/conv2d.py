@@ -360,7 +360,7 @@ def width_tile_knobs(isa: VectorISA, out_channels: int,
 
 
 def uses_channel_vectors(isa: VectorISA, in_channels: int, out_channels: int,
-                         groups: int) -> bool:
+                         groups: int, weight_bytes: int) -> bool:
     """Whether a pointwise conv runs in CHANNEL_VECTORS (weight panels of
     CHANNEL_VECTORS_PANEL channels) rather than ROW_TILES.
 
@@ -376,9 +376,22 @@ def uses_channel_vectors(isa: VectorISA, in_channels: int, out_channels: int,
       2x10x8 / 1x7x7: 0.88 / 1.00 / 0.76; 384 -> 96 at 1x14x14 / 2x10x8: 0.91 / 1.05;
     - with fewer input channels the write-back tells: 160 -> 960 at 1x7x7 / 2x5x4 / 1x14x14 /
       2x10x8: 0.81 / 0.70 / 0.94 / 1.16; 96 -> 576 at 1x14x14 / 2x10x8: 0.95 / 1.21.
-    Hence from CHANNEL_VECTORS_MIN_CHANNELS input channels, at every plane size. The output
-    channels must fill the panels (a tile writes whole panels)."""
-    return (groups == 1 and in_channels >= CHANNEL_VECTORS_MIN_CHANNELS
+    Hence from CHANNEL_VECTORS_MIN_CHANNELS input channels, at every plane size.
+    Also from fewer where a multiply-add cannot read its broadcast from memory (AVX2: not
+    isa.fma_reads_broadcast) and ROW_TILES would get one-vector tiles (`weight_bytes` over
+    ROW_TILES_OUTER_MAX_WEIGHT_BYTES, `width_tile_knobs`): a 14 x 1 tile loads 14 broadcasts
+    and a vector for 14 FMAs, CHANNEL_VECTORS' 6 pixels x 2 vectors 6 and 2 for 12. On an AMD
+    AVX2 host, 2 threads, MobileNetV2's 96 -> 576 at 1x14x14 / 2x10x8 took 288 / 190 us in
+    ROW_TILES and 157 / 125 us in CHANNEL_VECTORS; 160 -> 960 at 1x7x7 / 2x5x4 181 / 155 and
+    119 / 100 us. Where ROW_TILES gets two vectors it stays (144 -> 32 and 192 -> 32 at 28 x 28
+    were 8-10% slower in CHANNEL_VECTORS, 192 -> 64 at 14 x 14 alike). Whole MobileNetV2 runs
+    in one process, min of 9 rounds: 7.34 -> 6.91 ms at 1x3x224x224, 6.90 -> 6.37 ms at
+    2x3x160x128.
+    The output channels must fill the panels (a tile writes whole panels)."""
+    one_vector_row_tiles = (not isa.fma_reads_broadcast
+                            and weight_bytes > ROW_TILES_OUTER_MAX_WEIGHT_BYTES)
+    return (groups == 1
+            and (in_channels >= CHANNEL_VECTORS_MIN_CHANNELS or one_vector_row_tiles)
             and out_channels % CHANNEL_VECTORS_PANEL == 0
             and CHANNEL_VECTORS_PANEL % isa.lanes == 0)
 

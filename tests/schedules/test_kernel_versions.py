@@ -522,6 +522,37 @@ def test_pointwise_convs_outside_channel_vectors_keep_pixel_vectors(knob_databas
     assert '"tightfit.channel_vectors": False' in kernel
 
 
+@pytest.mark.parametrize("mcpu, channel_vectors", [("haswell", True), ("skylake-avx512", False)],
+                         ids=["avx2", "avx512"])
+def test_pointwise_convs_that_row_tiles_give_one_vector_run_channel_vectors_on_avx2(
+        mcpu, channel_vectors):
+    """MobileNetV2's 96 -> 576 expansion: weights over ROW_TILES_OUTER_MAX_WEIGHT_BYTES, so
+    ROW_TILES would tile it one vector wide. On AVX2, whose multiply-adds cannot read a
+    broadcast from memory, it runs CHANNEL_VECTORS instead (conv2d.uses_channel_vectors); on
+    AVX-512 it keeps ROW_TILES. A layer that ROW_TILES tiles two vectors wide keeps them on
+    both. The AVX2 kernel matches onnxruntime at planes of a pixel, a tile and one, 5x4, 7x7
+    and 14x14, on any x86-64 host with AVX2."""
+    isa = isa_for_target(tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+    assert not conv2d.uses_channel_vectors(isa, 192, 32, 1, 192 * 32 * 4)
+    in_channels, out_channels = 96, 576
+    assert in_channels * out_channels * 4 > register_tile.ROW_TILES_OUTER_MAX_WEIGHT_BYTES
+    assert in_channels < conv2d.CHANNEL_VECTORS_MIN_CHANNELS
+    target = {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}
+    model = pointwise_residual_model(in_channels, out_channels)
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target(target), PipelineOptions(),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert f'"tightfit.channel_vectors": {channel_vectors}' in scheduled.script()
+    if not channel_vectors or not tvm.target.codegen.target_has_features(
+            "avx2", resolve_target("host").tvm_target):
+        return
+    session = tightfit.compile(model, target).session()
+    _, pixels = conv2d.channel_vector_tile(isa, out_channels)
+    for plane in [(1, 1), (1, pixels + 1), (5, 4), (7, 7), (14, 14)]:
+        feeds = {"x": _normal(2, in_channels, *plane), "r": _normal(2, out_channels, *plane)}
+        np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                                   rtol=1e-4, atol=1e-4, err_msg=f"plane {plane}")
+
+
 def test_channel_vector_tiles_fit_each_vector_unit():
     """Two 16-channel panels x 7 pixels where AVX-512's registers hold them; NEON's panel is
     four vectors, so one panel x 6 pixels (28 accumulators of 32 registers)."""
