@@ -168,10 +168,12 @@ class _ConvRewriter(relax.PyExprMutator):
             "tightfit.conv_key": self.costing.shape(call).measurement_key,
         }
         if algorithm == "depthwise":
+            kernel_h, kernel_w = (int(d) for d in call.args[1].ty.shape.values[2:])
             record.update(_footprint(costs, algorithm))
             return emit_kernel(self.builder_, conv2d.conv2d_depthwise, [data, weight],
                                "conv2d_depthwise", record, name, strides=strides, padding=padding,
-                               dilation=dilation, vector_width=self.isa.lanes)
+                               dilation=dilation, vector_width=self.isa.lanes,
+                               rows=conv2d.depthwise_rows(self.isa, kernel_h, kernel_w))
         if algorithm in WINOGRAD_TILES:
             record.update(_footprint(costs, algorithm))
             return self._emit_winograd(WINOGRAD_TILES[algorithm], call, data, weight, record,

@@ -71,12 +71,15 @@ CHANNEL_ROWS_ANNOTATION = "tightfit.channel_rows"
 FLAT_PIXELS_ANNOTATION = "tightfit.flat_pixels"
 # A width-vectors conv's groups (its channel rows must divide a group's output channels).
 GROUPS_ANNOTATION = "tightfit.groups"
-# Output rows of a depthwise tile: neighbouring rows share the loads of their common input
-# rows, and each row is an independent chain of multiply-adds (a 3x3 tap sum is nine
-# dependent FMAs). With symbolic widths the column-tile loop stays rolled, so the chains in
-# one tile are all the core overlaps: 4 rows ran the zoo's layers 10-25% faster than 2 (e.g.
-# 2x64x48x40 33.9 -> 28.7 us, 576x14x14 18.6 -> 14.8 us), 8 rows were slower than 4.
+# Output rows of a depthwise tile where the registers hold it (`depthwise_rows`):
+# neighbouring rows share the loads of their common input rows, and each row is an
+# independent chain of multiply-adds (a 3x3 tap sum is nine dependent FMAs). With symbolic
+# widths the column-tile loop stays rolled, so the chains in one tile are all the core
+# overlaps: 4 rows ran the zoo's layers 10-25% faster than 2 on AVX-512 (e.g. 2x64x48x40
+# 33.9 -> 28.7 us, 576x14x14 18.6 -> 14.8 us), 8 rows were slower than 4.
 DEPTHWISE_ROWS = 4
+# On a depthwise tiles block: its output rows.
+DEPTHWISE_ROWS_ANNOTATION = "tightfit.depthwise_rows"
 # Padded input rows a thread packs at a time (_pack_in_row_blocks).
 PACKED_ROW_BLOCK = 1
 # A pointwise conv over many input channels runs in CHANNEL_VECTORS instead of ROW_TILES
@@ -621,15 +624,38 @@ def zero_padded(data: te.Tensor, padding):
     return value
 
 
+def depthwise_rows(isa: VectorISA, kernel_h: int, kernel_w: int) -> int:
+    """Output rows of a depthwise tile: DEPTHWISE_ROWS where the registers hold the tile with
+    the input rows it shares (at stride 1: rows + kernel_h - 1 rows of kernel_w vectors) beside
+    its accumulators and the channel's filter taps, which stay in registers across the
+    channel's tiles (`_copy_filter_per_channel`); else one row, whose inputs the multiply-adds
+    read straight from memory. A 3x3 tile of 4 rows needs 9 + 4 + 18 = 31 registers: AVX-512's
+    and NEON's 32 hold it, AVX2's 16 do not, and there LLVM spilled taps and inputs to the
+    stack around every tile. On an AMD AVX2 host, 2 threads, one process, MobileNetV2's
+    depthwise layers (bias and ReLU6 fused) took, in one-row vs four-row tiles: 32 x 112 x 112
+    134 vs 165 us, 144 x 56 x 56 116 vs 137, 96 x 112 x 112 stride 2 241 vs 273, 192 x 28 x 28
+    63 vs 91, 384 x 14 x 14 40 vs 55, 576 x 14 x 14 88 vs 103, 576 x 14 x 14 stride 2 43 vs 54,
+    960 x 7 x 7 64 vs 73, 2 x 576 x 10 x 8 122 vs 139, 2 x 960 x 5 x 4 58 vs 96 (every layer
+    faster; two rows lost to one as well). Whole runs, one process, min of 9 rounds:
+    MobileNetV2 7.12 -> 6.69 ms at 1x3x224x224, 6.63 -> 6.41 ms at 2x3x160x128;
+    mobilenet_v2_style 345 -> 316 us at 1x3x64x64, 1148 -> 943 us at 2x3x96x80. A 5x5
+    filter's 25 taps leave no room for shared rows on any ISA: one row there by this rule,
+    not measured (the zoo has no 5x5 depthwise layer)."""
+    taps = kernel_h * kernel_w
+    shared_inputs = (DEPTHWISE_ROWS + kernel_h - 1) * kernel_w
+    return DEPTHWISE_ROWS if taps + DEPTHWISE_ROWS + shared_inputs <= isa.registers else 1
+
+
 def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
-                     vector_width: int) -> te.Tensor:
+                     vector_width: int, rows: int) -> te.Tensor:
     """Depthwise NCHW conv (weight [C, 1, KH, KW]; channel multiplier 1) with width vectors.
 
     The packing stage pads each channel and splits its rows into phases (`pack_input_phases`),
     so every vector load is contiguous. Tiles of `vector_width` columns cover the width with
     the last one shifted back (tail_tiles.py), so the width domain is max(out_w, vector_width);
-    a tile is DEPTHWISE_ROWS output rows high, so the row domain is rounded up to whole tiles
-    (the packed input holds zero rows below) and the write-back skips rows past the output.
+    a tile is `rows` output rows high (`depthwise_rows`), so the row domain is rounded up to
+    whole tiles (the packed input holds zero rows below) and the write-back skips rows past
+    the output.
     """
     batch, channels, height, width = data.shape
     _, _, kernel_h, kernel_w = (int(d) for d in weight.shape)
@@ -638,7 +664,7 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
     out_h = output_extent(height, top, bottom, kernel_h, stride_h, dil_h)
     out_w = output_extent(width, left, right, kernel_w, stride_w, dil_w)
     tile_w = tirx.max(out_w, vector_width)
-    tile_h = (out_h + DEPTHWISE_ROWS - 1) // DEPTHWISE_ROWS * DEPTHWISE_ROWS
+    tile_h = (out_h + rows - 1) // rows * rows
     packed_input = pack_input_phases(data, tile_w, kernel_w, strides, padding, dilation,
                                      "depthwise_input_phases",
                                      rows=(tile_h - 1) * stride_h + (kernel_h - 1) * dil_h + 1)
@@ -652,13 +678,14 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
 
     tiles = te.compute((batch, channels, tile_h, tile_w), tile_value, name="depthwise_tiles",
                        attrs={KERNEL_ANNOTATION: DEPTHWISE, ROWS_ANNOTATION: vector_width,
-                              OUTPUT_ROW_AXIS_ANNOTATION: 3})
+                              DEPTHWISE_ROWS_ANNOTATION: rows, OUTPUT_ROW_AXIS_ANNOTATION: 3})
     return te.compute((batch, channels, out_h, out_w), lambda n, c, h, w: tiles[n, c, h, w],
                       name="depthwise_out")
 
 
 def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_row_axis: int,
-                       vector_width: int, version: str, parallel: bool = True) -> list[tuple]:
+                       vector_width: int, rows: int, version: str,
+                       parallel: bool = True) -> list[tuple]:
     """Depthwise tiles: one vector of output columns per tile (per row on maps narrower than
     a vector), the filter taps unrolled.
 
@@ -676,7 +703,7 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     """
     n, c, oh, ow, ry, rx = sch.get_loops(tiles)
     packing, = _packing_stages(sch, tiles)  # a depthwise kernel has one
-    oh_outer, oh_inner = sch.split(oh, [None, DEPTHWISE_ROWS])
+    oh_outer, oh_inner = sch.split(oh, [None, rows])
     ow_outer, ow_lane = sch.split(ow, [None, vector_width])
     sch.reorder(n, c, oh_outer, ow_outer, ry, rx, oh_inner, ow_lane)
     sch.reverse_compute_at(out_block, ow_outer)

@@ -78,16 +78,23 @@ def masked_row_write_back(func: tirx.PrimFunc, block_name: str) -> tirx.PrimFunc
     it."""
     params = [param for param in func.params if hasattr(param, "shape")]
 
-    def replace(loop: tirx.For):
-        columns = loop.body
+    def masked(columns) -> s_tir.SBlockRealize | None:
         if not (isinstance(columns, tirx.For) and columns.kind == tirx.ForKind.VECTORIZED
                 and isinstance(columns.body, s_tir.SBlockRealize)
                 and columns.body.block.name_hint == block_name):
             return None
-        row = _masked_row(columns, params)
-        if row is None:
+        return _masked_row(columns, params)
+
+    def replace(loop: tirx.For):
+        # the column loop is the body of a loop over rows, or, in a tile of one row, one
+        # statement of the tile's loop body beside the tile's computation
+        body = list(loop.body.seq) if isinstance(loop.body, tirx.SeqStmt) else [loop.body]
+        rows = [masked(stmt) for stmt in body]
+        if all(row is None for row in rows):
             return None
-        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, row,
+        body = [stmt if row is None else row for stmt, row in zip(body, rows)]
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
+                        body[0] if len(body) == 1 else tirx.SeqStmt(body),
                         loop.thread_binding, loop.annotations)
 
     return func.with_body(rewrite_loop_nest(func.body, lambda realize: realize, replace))

@@ -118,8 +118,9 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
                 int(annotations[conv2d.CHANNEL_ROWS_ANNOTATION]),
                 int(annotations[VECTORS_ANNOTATION]), isa, version, parallel)
         elif kind == conv2d.DEPTHWISE:
-            rewrites = conv2d.schedule_depthwise(sch, tiles, out_block, row_extent, out_row_axis,
-                                                 rows, version, parallel)
+            rewrites = conv2d.schedule_depthwise(
+                sch, tiles, out_block, row_extent, out_row_axis, rows,
+                int(annotations[conv2d.DEPTHWISE_ROWS_ANNOTATION]), version, parallel)
         else:
             raise ValueError(f"no schedule for kernel kind {kind!r} (block {block_name})")
         if parallel:

@@ -586,18 +586,35 @@ def test_conv1d_runs_as_a_conv2d_kernel_at_width_bucket_edges(knob_database):
                                sorted({2 * edge for edge in row_edges(lanes)} | {2 * lanes - 1}))
 
 
+@pytest.mark.parametrize("tile_rows", [1, conv2d.DEPTHWISE_ROWS])
 @pytest.mark.parametrize("stride", [1, 2])
-def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database, stride):
-    """Every count of output rows past a whole tile of DEPTHWISE_ROWS rows, so the last tile
-    is full and 1 to DEPTHWISE_ROWS - 1 rows out of the map, at each width edge."""
+def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database, monkeypatch,
+                                                                   stride, tile_rows):
+    """Tiles of one row and of DEPTHWISE_ROWS rows (depthwise_rows picks by the registers;
+    both are forced here, whatever the host): every count of output rows past a whole tile,
+    so the last tile is full and 1 to tile_rows - 1 rows out of the map, at each width edge."""
+    monkeypatch.setattr(conv2d, "depthwise_rows", lambda isa, kernel_h, kernel_w: tile_rows)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     widths = sorted({stride * (edge - 1) + 1 for edge in row_edges(lanes)} | {stride * lanes})
-    heights = [stride * (rows - 1) + 1
-               for rows in range(conv2d.DEPTHWISE_ROWS + 1, 2 * conv2d.DEPTHWISE_ROWS + 1)]
+    heights = [stride * (rows - 1) + 1 for rows in range(tile_rows + 1, 2 * tile_rows + 1)]
     assert_matches_onnxruntime(conv_model(6, 6, groups=6, stride=stride, height="h"),
                                "conv2d_depthwise", knob_database,
                                lambda hw: {"x": _normal(1, 6, *hw)},
                                [(h, w) for h in heights for w in widths])
+
+
+def test_depthwise_tiles_are_as_many_rows_as_the_registers_hold():
+    """Four rows of a 3x3 tile with the input rows they share need 31 registers: AVX-512 and
+    NEON (32) tile four rows, AVX2 and SSE (16) one; a 5x5 tile's 25 taps leave no room for
+    shared rows anywhere. The kernel carries its rows for the schedule."""
+    from tightfit.schedules.isa import AVX2, AVX512, NEON, SSE
+    assert [conv2d.depthwise_rows(isa, 3, 3) for isa in (AVX512, NEON, AVX2, SSE)] == [4, 4, 1, 1]
+    assert conv2d.depthwise_rows(AVX512, 5, 5) == 1
+    for mcpu, rows in [("haswell", 1), ("skylake-avx512", 4)]:
+        target = {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}
+        lowered, _ = run_pipeline(import_onnx(conv_model(6, 6, groups=6)).mod,
+                                  resolve_target(target), stop_after="tightfit.SelectConvAlgorithm")
+        assert f'"{conv2d.DEPTHWISE_ROWS_ANNOTATION}": {rows}' in lowered.script()
 
 
 @pytest.mark.parametrize("stride, pads", [(2, [0, 0, 0, 0]), (2, [1, 2, 0, 1]), (1, [2, 0, 1, 3])])
