@@ -392,7 +392,7 @@ def uses_channel_vectors(isa: VectorISA, in_channels: int, out_channels: int,
     2x3x160x128.
     The output channels must fill the panels (a tile writes whole panels)."""
     one_vector_row_tiles = (not isa.fma_reads_broadcast
-                            and weight_bytes > ROW_TILES_OUTER_MAX_WEIGHT_BYTES)
+                            and width_tile_knobs(isa, out_channels, weight_bytes).vectors == 1)
     return (groups == 1
             and (in_channels >= CHANNEL_VECTORS_MIN_CHANNELS or one_vector_row_tiles)
             and out_channels % CHANNEL_VECTORS_PANEL == 0

@@ -597,8 +597,10 @@ def test_depthwise_conv_versions_match_onnxruntime_at_vector_edges(knob_database
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
     widths = sorted({stride * (edge - 1) + 1 for edge in row_edges(lanes)} | {stride * lanes})
     heights = [stride * (rows - 1) + 1 for rows in range(tile_rows + 1, 2 * tile_rows + 1)]
-    assert_matches_onnxruntime(conv_model(6, 6, groups=6, stride=stride, height="h"),
-                               "conv2d_depthwise", knob_database,
+    model = conv_model(6, 6, groups=6, stride=stride, height="h")
+    # the maps narrower than a tile store each row with one masked vector store
+    assert "masked_store" in _scheduled_kernel(model, "depthwise", knob_database, ("depthwise",))
+    assert_matches_onnxruntime(model, "conv2d_depthwise", knob_database,
                                lambda hw: {"x": _normal(1, 6, *hw)},
                                [(h, w) for h in heights for w in widths])
 
