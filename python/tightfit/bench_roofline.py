@@ -6,9 +6,10 @@ must move at least B bytes (its inputs, weights and output, once each) has arith
 I = F / B and cannot run faster than min(peak FLOP/s, I x memory bandwidth). Both ceilings are
 measured here, by kernels that TVM builds for the same target as tightfit:
 - peak: FMA_CHAINS independent chains of fused multiply-adds per thread in the target's widest
-  vectors, one set per thread of TVM's pool, all in parallel. On this host it is 2 cores x 2 FMA
-  pipes x 16 fp32 lanes x 2 FLOP x the clock under load, which is what the measurement adds to
-  that formula (the clock /proc/cpuinfo states is the base clock, not the turbo one);
+  vectors, one set per thread of TVM's pool, all in parallel. It is cores x FMA pipes x fp32 lanes
+  (16 with AVX-512, 8 with AVX2, 4 with NEON) x 2 FLOP x the clock under load, which is what the
+  measurement adds to that formula (the clock /proc/cpuinfo states is the base clock, not the
+  turbo one);
 - memory bandwidth: a parallel vector scale of a STREAM_BYTES array into another, bytes read
   plus bytes written, so both arrays are far larger than any cache.
 The layers: each zoo model's largest Conv and largest MatMul/Gemm by FLOPs, at the zoo shape set
