@@ -6,7 +6,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import time
 
-from tightfit.bench import _run_for, benchmark_model, markdown_table, run_job_io, run_worker
+from tightfit.bench import (_run_for, benchmark_model, markdown_table, quartile_spread, run_job_io,
+                            run_worker)
 
 
 def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
@@ -17,13 +18,26 @@ def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
         assert set(timing.median_ms) == set(timing.first_run_ms) == {"tightfit", "onnxruntime", "tvm-default"}
         assert timing.max_abs_error < 1e-4
         assert result.ratio(timing, "onnxruntime") == timing.median_ms["tightfit"] / timing.median_ms["onnxruntime"]
+        assert set(timing.spread) == set(timing.median_ms)
+        assert all(spread >= 0 for spread in timing.spread.values())
     assert set(result.peak_rss_mb) == {"tightfit", "onnxruntime", "tvm-default"}
     table = markdown_table([result])
+    spreads = result.shapes[0].spread
+    assert " / ".join(f"{spreads[e]:.0%}" for e in ("tightfit", "onnxruntime", "tvm-default")) in table
     assert table.count("| mlp |") == 3  # two shapes and the memory row
     ratios = [result.ratio(timing, "onnxruntime") for timing in result.shapes]
     geomean = (ratios[0] * ratios[1]) ** 0.5
     assert f"tightfit/onnxruntime: geomean {geomean:.3g}x over 2 shapes of 1 models" in table
     assert f"mlp at x={'1x8' if ratios[0] >= ratios[1] else '7x8'}, {max(ratios):.3g}x" in table
+
+
+def test_spread_is_the_interquartile_range_over_the_median():
+    steady = [10.0] * 8
+    assert quartile_spread(steady) == 0.0
+    # half the runs in a slow period: the median still reads as one time, the spread does not
+    mixed = [10.0] * 4 + [20.0] * 4
+    assert quartile_spread(mixed) == (20.0 - 10.0) / 15.0
+    assert quartile_spread([3.0]) == 0.0
 
 
 def test_warm_up_runs_until_its_time_is_spent_and_at_least_once():

@@ -55,6 +55,7 @@ class ShapeTiming:
     shapes: dict[str, list[int]]
     first_run_ms: dict[str, float] = field(default_factory=dict)
     median_ms: dict[str, float] = field(default_factory=dict)
+    spread: dict[str, float] = field(default_factory=dict)  # quartile_spread of the timed runs
     max_abs_error: float | None = None
 
 
@@ -119,10 +120,23 @@ def benchmark_model(
                     run(feeds)
                     samples[engine].append((time.perf_counter() - started) * 1e3)
         timing.median_ms = {engine: statistics.median(values) for engine, values in samples.items()}
+        timing.spread = {engine: quartile_spread(values) for engine, values in samples.items()}
         result.shapes.append(timing)
     if measure_memory and shape_sets:
         result.peak_rss_mb = _measure_peak_rss(proto, shape_sets[-1], result)
     return result
+
+
+def quartile_spread(values: list[float]) -> float:
+    """The interquartile range of timed runs over their median: how far the machine let an
+    engine's runs wander. On a shared VM whose cores other tenants slow down at times (this
+    project's, measured: the same model took 16 us for seconds on end, then 28-35 us), a
+    spread near zero says the median is the engine's steady time, one of 20% or more that it
+    mixes slow and fast periods, and ratios from it carry that doubt."""
+    if len(values) < 2:
+        return 0.0
+    first, _, third = statistics.quantiles(values, n=4)
+    return (third - first) / statistics.median(values)
 
 
 def _run_for(run: Callable, feeds: dict[str, np.ndarray], seconds: float) -> None:
@@ -307,8 +321,9 @@ def peak_rss_kib() -> int:
 
 def markdown_table(results: list[ModelBenchmark]) -> str:
     header = ("| model | shape | tightfit ms | onnxruntime ms | tvm-default ms | tightfit/ORT | "
-              "tightfit/TVM | first run ms (tf / ORT / TVM) | max abs err |")
-    lines = [header, "|" + "---|" * 9]
+              "tightfit/TVM | first run ms (tf / ORT / TVM) | spread (tf / ORT / TVM) | "
+              "max abs err |")
+    lines = [header, "|" + "---|" * 10]
     for result in results:
         for timing in result.shapes:
             ms = timing.median_ms
@@ -320,6 +335,7 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
                 _fmt(result.ratio(timing, "onnxruntime"), "x"),
                 _fmt(result.ratio(timing, "tvm-default"), "x"),
                 " / ".join(_fmt(first.get(engine)) for engine in ENGINES),
+                " / ".join(_percent(timing.spread.get(engine)) for engine in ENGINES),
                 "-" if timing.max_abs_error is None else f"{timing.max_abs_error:.1e}",
             ]) + " |")
     lines += ["", *ratio_summary(results)]
@@ -338,7 +354,9 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
               f"{ort_threads} (its default: one per physical core); {os.cpu_count()} CPUs on this "
               f"machine. Median of {repeats} timed runs after warm-up, engines taking turns in {ROUNDS} rounds, "
               f"each turn a {PAUSE_BETWEEN_ENGINES_S * 1e3:g} ms pause and {WARM_UP_PER_TURN_S * 1e3:g} ms "
-              "of untimed runs."]
+              "of untimed runs. Spread: the interquartile range of the timed runs over their "
+              "median; from about 20% the machine was busy in part of the run, and the median "
+              "mixes slow and fast periods."]
     return "\n".join(lines)
 
 
@@ -376,6 +394,10 @@ def _fmt(value: float | None, suffix: str = "") -> str:
     if value is None:
         return "-"
     return f"{value:.3g}{suffix}" if value < 100 else f"{value:.0f}{suffix}"
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"
 
 
 def _error_summary(error: Exception) -> str:
