@@ -6,8 +6,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import time
 
-from tightfit.bench import (_run_for, benchmark_model, markdown_table, quartile_spread, run_job_io,
-                            run_worker)
+from tightfit.bench import (ModelBenchmark, ShapeTiming, _run_for, benchmark_model, markdown_table,
+                            quartile_spread, ratio_summary, run_job_io, run_worker)
 
 
 def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
@@ -29,6 +29,21 @@ def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
     geomean = (ratios[0] * ratios[1]) ** 0.5
     assert f"tightfit/onnxruntime: geomean {geomean:.3g}x over 2 shapes of 1 models" in table
     assert f"mlp at x={'1x8' if ratios[0] >= ratios[1] else '7x8'}, {max(ratios):.3g}x" in table
+    busy = sum(max(t.spread["tightfit"], t.spread["onnxruntime"]) >= 0.2 for t in result.shapes)
+    assert f"{busy} of the shapes timed with a spread of 20% or more" in table
+
+
+def test_the_summary_counts_shapes_timed_on_a_busy_machine():
+    steady = ShapeTiming({"x": [1]}, median_ms={"tightfit": 1.0, "onnxruntime": 2.0},
+                         spread={"tightfit": 0.05, "onnxruntime": 0.1})
+    busy_ours = ShapeTiming({"x": [2]}, median_ms={"tightfit": 1.0, "onnxruntime": 2.0},
+                            spread={"tightfit": 0.4, "onnxruntime": 0.1})
+    busy_theirs = ShapeTiming({"x": [3]}, median_ms={"tightfit": 1.0, "onnxruntime": 4.0},
+                              spread={"tightfit": 0.1, "onnxruntime": 0.2})
+    result = ModelBenchmark("m", threads=2, repeat=4,
+                            shapes=[steady, busy_ours, busy_theirs])
+    line, = ratio_summary([result])
+    assert line.endswith("2 of the shapes timed with a spread of 20% or more.")
 
 
 def test_spread_is_the_interquartile_range_over_the_median():
