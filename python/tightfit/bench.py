@@ -1,7 +1,8 @@
 """Benchmark: tightfit against onnxruntime and TVM's default Relax build, in one process.
 
 DESIGN.md "Measuring". For each model and each input shape: the first run at that shape (a shape
-not seen before), then the median of `repeat` timed runs after warm-up. The engines take turns in
+not seen before), then the median of `repeat` timed runs after warm-up, and their spread
+(`quartile_spread`: whether the machine stayed quiet while they ran). The engines take turns in
 ROUNDS rounds so that drift on the shared machine hits all alike; each turn starts with a pause,
 because onnxruntime's idle threads spin for tens of milliseconds after a run and, interleaved run
 by run, made TVM's thread pool 20x slower (measured: 23.7 ms instead of 1.2 ms on a small conv
