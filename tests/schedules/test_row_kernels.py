@@ -15,17 +15,19 @@ from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.target import resolve_target
 
 from conftest import THRESHOLDS
+from tightfit.schedules.row_kernels import ROW_GROUP
 from kernel_harness import threshold_database
 
 
 def softmax_model(axis: int) -> onnx.ModelProto:
-    """Softmax over x[n, 4, s, s], as attention's scores (scaled first, so the kernel is alone)."""
+    """Softmax over x[n, 3, s, s], as attention's scores (scaled first, so the kernel is alone);
+    3 heads, so that the row count leaves each remainder after whole groups of ROW_GROUP rows."""
     nodes = [helper.make_node("Mul", ["x", "scale"], ["scaled"]),
              helper.make_node("Softmax", ["scaled"], ["y"], axis=axis)]
     graph = helper.make_graph(
         nodes, "scores_softmax",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, "s", "s"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, "s", "s"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "s", "s"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3, "s", "s"])],
         [helper.make_tensor("scale", TensorProto.FLOAT, [], [0.7])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -62,10 +64,22 @@ def test_last_axis_softmax_runs_row_by_row_without_a_temporary(knob_database):
     assert "T_fast_exp" not in kernel and "sblock_alloc_buffer" not in kernel
 
 
+def test_row_kernels_take_rows_in_groups_stage_by_stage(knob_database):
+    """ROW_GROUP rows per iteration, every row's maximum folded before any row's sum is (the
+    rows' dependent chains side by side), then the rows left one at a time."""
+    kernel = scheduled_softmax(softmax_model(-1), knob_database)
+    grouped, rest = kernel.split("for row in", 1)[0], kernel.split("for row in", 1)[1]
+    assert f"row_group * T.int64({ROW_GROUP}) + T.int64({ROW_GROUP - 1})" in grouped
+    maxima = [grouped.index(f"row_maximum{f'_{row}' if row else ''}: ") for row in range(ROW_GROUP)]
+    assert max(maxima) < grouped.index("row_reciprocal: ")
+    single = rest.split("else:")[0]
+    assert "row_maximum: " in single and "row_maximum_1: " not in single
+
+
 def test_softmax_over_another_axis_keeps_the_fallback_schedule(knob_database):
     model = softmax_model(1)
     assert "T_fast_exp" in scheduled_softmax(model, knob_database)
-    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4, 3, 3)).astype(np.float32)}
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3, 3, 3)).astype(np.float32)}
     np.testing.assert_allclose(tightfit.compile(model).session().run(feeds)["y"],
                                run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-6)
 
@@ -75,10 +89,11 @@ def test_softmax_over_another_axis_keeps_the_fallback_schedule(knob_database):
 @settings(max_examples=25, deadline=None)
 def test_row_softmax_matches_onnxruntime_at_any_width(compiled_sessions, batch, sequence, spread,
                                                       data):
-    """Every width from 1 to past four vectors (each chunk size and leftover count), serial and
-    parallel; `spread` 60 drives exp(x - max) of most scores below float32's range."""
+    """Every width from 1 to past four vectors (each chunk size and leftover count), row counts
+    with each remainder after the groups of rows, serial and parallel; `spread` 60 drives
+    exp(x - max) of most scores below float32's range."""
     seed = data.draw(st.integers(0, 2 ** 16))
-    x = (np.random.default_rng(seed).standard_normal((batch, 4, sequence, sequence)) * spread)
+    x = (np.random.default_rng(seed).standard_normal((batch, 3, sequence, sequence)) * spread)
     feeds = {"x": x.astype(np.float32)}
     expected = run_onnxruntime(compiled_sessions["model"], feeds)["y"]
     for name in ("serial", "parallel"):
