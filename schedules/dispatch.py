@@ -135,6 +135,15 @@ def combine(*conditions):
     return result
 
 
+def nested_ifs(versions: list[tuple[object, tirx.Stmt]]) -> tirx.Stmt:
+    """The statement running the first version whose condition holds (the last has None), for
+    kernels built as statements rather than schedules (row_kernels.py, pool_kernels.py)."""
+    body = versions[-1][1]
+    for condition, stmt in reversed(versions[:-1]):
+        body = tirx.IfThenElse(condition, stmt, body)
+    return body
+
+
 def join_versions(versions: list[tuple[object, tirx.PrimFunc]]) -> tirx.PrimFunc:
     """One PrimFunc running the first version whose condition holds (the last has None).
 

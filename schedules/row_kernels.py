@@ -40,7 +40,7 @@ from collections.abc import Callable
 from tvm import s_tir, tirx
 from tvm.ir.expr import Call
 
-from .dispatch import loop_work, parallel_buckets
+from .dispatch import loop_work, nested_ifs, parallel_buckets
 from .fallback_cpu import has_root_block
 from .isa import VectorISA
 from .row_chunks import chunk_steps, element_steps, narrowest_chunk
@@ -79,10 +79,7 @@ def schedule_row_kernel(func: tirx.PrimFunc, isa: VectorISA,
         return None
     versions = [(condition, version(parallel))
                 for parallel, condition in parallel_buckets(loop_work(sch), min_parallel_work)]
-    body = versions[-1][1]
-    for condition, stmt in reversed(versions[:-1]):
-        body = tirx.IfThenElse(condition, stmt, body)
-    return func.with_body(body).with_attr("tirx.is_scheduled", True)
+    return func.with_body(nested_ifs(versions)).with_attr("tirx.is_scheduled", True)
 
 
 def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool) -> tirx.Stmt:

@@ -8,8 +8,8 @@ write-back, schedules each shape bucket of dispatch.py, and joins the versions w
 the run-time extent. Each row version comes serial and parallel where the kernel's work may
 fall below the parallel threshold (dispatch.parallel_buckets). Winograd's transform kernels
 have no register tiles, so only those two versions (winograd.py). A last-axis softmax or layer
-norm gets the row kernel of row_kernels.py. PrimFuncs without a kernel block are left to the
-fallback schedule.
+norm gets the row kernel of row_kernels.py, a max pool the vector kernel of pool_kernels.py.
+PrimFuncs without a kernel block are left to the fallback schedule.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .register_tile import (
     apply_rewrites,
     schedule_register_tiles,
 )
+from .pool_kernels import schedule_max_pool
 from .row_kernels import schedule_row_kernel
 
 REGISTER_TILE_KERNELS = {conv2d.DIRECT, gemm.DENSE, gemm.MATMUL}
@@ -62,7 +63,8 @@ class ScheduleKernels:
         for global_var, func in list(mod.functions.items()):
             if isinstance(func, tirx.PrimFunc) and not is_scheduled(func):
                 scheduled = (schedule_kernel_func(func, isa, min_parallel_work)
-                             or schedule_row_kernel(func, isa, min_parallel_work))
+                             or schedule_row_kernel(func, isa, min_parallel_work)
+                             or schedule_max_pool(func, isa, min_parallel_work))
                 if scheduled is not None:
                     mod[global_var] = scheduled
         return mod

@@ -34,7 +34,7 @@ from .passes import (
     UseFastMath,
     legalize_views,
 )
-from .schedules import FallbackCPUSchedule, ScheduleKernels
+from .schedules import FallbackCPUSchedule, ScheduleKernels, legalize_max_pool
 from .weight_file import WeightTensor
 from .target import CompileTarget
 
@@ -81,11 +81,11 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         *([UseFastMath()] if options.fast_math else []),
         PreTransformWeights(),
         # 3. lower to TIR and fuse (NonZero to compiled kernels, and sorts, scans and sampling to
-        #    their library kernels first)
+        #    their library kernels first); view kernels and max pools are marked for step 4
         LowerNonZero(),
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
-        relax.transform.LegalizeOps(legalize_views()),
+        relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool()}),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
