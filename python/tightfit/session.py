@@ -47,6 +47,9 @@ class Session:
         self._output_names = [spec.name for spec in package.outputs]
         self.weights = [device_tensor(weight.value, self.device) for weight in package.weights]
         self._on_host = remote is None and _is_host(self.device)
+        # a result tuple from a device is a handle to an array there, read through its functions
+        self._array_functions = (_ARRAY_FUNCTIONS if remote is None else tuple(
+            remote.rpc_session.get_function(name) for name in ARRAY_FUNCTION_NAMES))
         self._handed_out = {spec.name for spec, fresh in zip(package.outputs, package.fresh_outputs)
                             if fresh and _numpy_exchanges(spec.dtype)}
         # input name -> (aligned numpy buffer, TVM view of it), for inputs TVM cannot view
@@ -69,7 +72,7 @@ class Session:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the model; returns the outputs by ONNX output name, in the graph's order."""
         arguments = self.prepare_inputs(feeds)
-        values = _flatten(self._main(*arguments, *self.weights))
+        values = _flatten(self._main(*arguments, *self.weights), self._array_functions)
         if not self._on_host:
             return {name: value.numpy() for name, value in zip(self._output_names, values)}
         return {name: np.from_dlpack(value) if name in self._handed_out else value.numpy()
@@ -230,19 +233,22 @@ def _feed_signature(feeds: dict) -> tuple | None:
     return tuple((name, value.dtype, value.shape) for name, value in feeds.items())
 
 
-def _flatten(result) -> list[tvm.runtime.Tensor]:
-    """The tensors of a VM result (a tensor, or a tuple of them, nested), in order. A tuple is
-    an FFI array whose iteration asks its length again for every element: two FFI calls, ~2.7
-    us per output; one call per element instead."""
+ARRAY_FUNCTION_NAMES = ("ffi.ArraySize", "ffi.ArrayGetItem")
+_ARRAY_FUNCTIONS = tuple(tvm_ffi.get_global_func(name) for name in ARRAY_FUNCTION_NAMES)
+
+
+def _flatten(result, array_functions: tuple = _ARRAY_FUNCTIONS) -> list[tvm.runtime.Tensor]:
+    """The tensors of a VM result (a tensor, or a tuple of them, nested), in order, a tuple
+    read with `array_functions` (ARRAY_FUNCTION_NAMES: a device's own for a result there, a
+    handle to an array on it). A tuple is an FFI array whose iteration asks its length again for
+    every element: two FFI calls, ~2.7 us per output; one call per element instead."""
     if isinstance(result, tvm.runtime.Tensor):
         return [result]
+    array_size, array_get_item = array_functions
     values = []
-    for index in range(len(result)):
-        values.extend(_flatten(_ARRAY_GET_ITEM(result, index)))
+    for index in range(array_size(result)):
+        values.extend(_flatten(array_get_item(result, index), array_functions))
     return values
-
-
-_ARRAY_GET_ITEM = tvm_ffi.get_global_func("ffi.ArrayGetItem")
 
 
 def _show(shape) -> str:

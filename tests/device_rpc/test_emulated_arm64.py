@@ -147,6 +147,26 @@ def test_channel_vector_pointwise_conv_compiled_for_arm64_runs_on_the_emulated_d
         assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
+def test_pool_and_row_kernels_compiled_for_arm64_run_on_the_emulated_device(tracker,
+                                                                            arm64_device):
+    """A ResNet stem's max pool (3x3, stride 2, pad 1: two 4-lane loads deinterleaved per tap
+    group, scalar edge columns) and a softmax over its rows (rows in groups, 4-lane chunks and
+    single elements), at widths under a vector, of a few vectors, and with a shifted last one."""
+    graph = helper.make_graph(
+        [helper.make_node("MaxPool", ["x"], ["pooled"], kernel_shape=[3, 3], strides=[2, 2],
+                          pads=[1] * 4),
+         helper.make_node("Softmax", ["pooled"], ["scores"], axis=-1)], "pool_softmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "h", "w"])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 3, None, None])
+         for name in ("pooled", "scores")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = tightfit.compile(model, "emulated-arm64").remote_session(str(tracker), arm64_device)
+    rng = np.random.default_rng(7)
+    for height, width in ((5, 5), (9, 23), (4, 41)):
+        feeds = {"x": rng.standard_normal((1, 3, height, width)).astype(np.float32)}
+        assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-5
+
+
 def test_kernel_choices_timed_on_the_emulated_device_decide_the_arm64_build(tracker, arm64_device,
                                                                             tmp_path, capsys):
     """`tightfit search` over RPC: every candidate of a strided conv and the chosen kernel's
