@@ -94,21 +94,21 @@ def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool
         peak = row.accumulator("row_peak")
         total = row.accumulator("row_total")
 
-        def exp_chunk(column, count):
+        def exp_chunk(column, count, slot):
             shifted = row.at(x, column, count) - _splat(maximum, count)
             exponentials = row.at(y, column, count)
             return tirx.SeqStmt([row.store(y, fast_exp(shifted, count), column, count),
-                                 row.accumulate(total, exponentials, count, operator.add)])
+                                 row.accumulate(total, exponentials, count, operator.add, slot)])
 
         return [
             [*row.start(peak, lowest),
-             *row.over_row(lambda column, count: row.accumulate(peak, row.at(x, column, count),
-                                                                count, tirx.max))],
+             *row.over_row(lambda column, count, slot: row.accumulate(
+                 peak, row.at(x, column, count), count, tirx.max, slot))],
             [tirx.Bind(maximum, row.fold(peak, tirx.max)),
              *row.start(total, tirx.const(0, data.dtype)),
              *row.over_row(exp_chunk)],
             [tirx.Bind(reciprocal, tirx.const(1, data.dtype) / row.fold(total, operator.add)),
-             *row.over_row(lambda column, count: row.store(
+             *row.over_row(lambda column, count, _: row.store(
                  y, row.at(y, column, count) * _splat(reciprocal, count), column, count))],
         ]
 
@@ -133,11 +133,11 @@ def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, ou
         def deviation(column, count):
             return row.at(x, column, count) - _splat(mean, count)
 
-        def square_chunk(column, count):
+        def square_chunk(column, count, slot):
             return row.accumulate(squares, deviation(column, count) * deviation(column, count),
-                                  count, operator.add)
+                                  count, operator.add, slot)
 
-        def out_chunk(column, count):
+        def out_chunk(column, count, _):
             index = _lanes(column, count)
             scaled = deviation(column, count) * _splat(inverse_deviation, count)
             return row.store(y, scaled * tirx.BufferLoad(gamma, [index])
@@ -145,8 +145,8 @@ def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, ou
 
         return [
             [*row.start(total, zero),
-             *row.over_row(lambda column, count: row.accumulate(total, row.at(x, column, count),
-                                                                count, operator.add))],
+             *row.over_row(lambda column, count, slot: row.accumulate(
+                 total, row.at(x, column, count), count, operator.add, slot))],
             [tirx.Bind(mean, row.fold(total, operator.add) / width),
              *row.start(squares, zero),
              *row.over_row(square_chunk)],
@@ -165,6 +165,13 @@ def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, ou
 # of 5 / 16 / 33 / 128 floats -8 / -12 / -19 / -3%, layer norm over 1x5x32 / 3x16x32 /
 # 1x128x32 -2 / -12 / -14%. 8 rows were no faster than 4.
 ROW_GROUP = 4
+# Vector accumulators per sum or maximum of a row of a known width of that many vectors or
+# more (slots, folded together at the row's end): one accumulator made a wide row's pass a chain
+# of dependent adds (a 256-wide layer norm's sum: 32 of them). Alone, against one: layer norm
+# over 1x128x256 -31%, 3x16x32 -9%. A row of symbolic width (softmax over a sequence) keeps
+# one: the slots' starts and folds cost short rows more than the chains (+13 to +32% on
+# softmax rows of 5 to 33).
+ROW_ACCUMULATORS = 4
 
 
 class _Rows:
@@ -176,6 +183,8 @@ class _Rows:
         self.lanes = lanes
         self.index_type = self.width.ty.dtype
         self.count = functools.reduce(operator.mul, leading, tirx.const(1, self.index_type))
+        wide = isinstance(self.width, tirx.IntImm) and self.width.value >= ROW_ACCUMULATORS * lanes
+        self.slots = ROW_ACCUMULATORS if wide else 1
         self.sources = (data, out)
         self.views = tuple(tirx.decl_buffer((self.count, self.width), buffer.dtype,
                                             f"{buffer.name}_rows", data=buffer.data)
@@ -226,37 +235,52 @@ class _Row:
         return tirx.BufferStore(view, value, [self.index, _lanes(column, count)])
 
     def accumulator(self, name: str) -> tirx.Buffer:
-        """A vector accumulator of the row's body: a "global" stack array of one vector,
-        which LLVM keeps in a register (isa.py)."""
-        buffer = tirx.decl_buffer((self.rows.lanes,), self.rows.views[0].dtype, name,
-                                  scope="global")
+        """A vector accumulator of the row's body, a vector per slot: a "global" stack array,
+        which LLVM keeps in registers (isa.py)."""
+        buffer = tirx.decl_buffer((self.rows.slots * self.rows.lanes,),
+                                  self.rows.views[0].dtype, name, scope="global")
         self.allocations.append(tirx.AllocBuffer(buffer))
         return buffer
 
     def start(self, accumulator: tirx.Buffer, value) -> list[tirx.Stmt]:
         lanes = self.rows.lanes
         return [tirx.BufferStore(accumulator, tirx.Broadcast(value, lanes),
-                                 [_lanes(tirx.const(0, self.rows.index_type), lanes)])]
+                                 [self._slot(slot, lanes)]) for slot in range(self.rows.slots)]
 
-    def accumulate(self, accumulator: tirx.Buffer, value, count: int, combine) -> tirx.Stmt:
-        index = _lanes(tirx.const(0, self.rows.index_type), count)
+    def accumulate(self, accumulator: tirx.Buffer, value, count: int, combine,
+                   slot: int) -> tirx.Stmt:
+        index = self._slot(slot, count)
         return tirx.BufferStore(accumulator, combine(tirx.BufferLoad(accumulator, [index]), value),
                                 [index])
 
     def over_row(self, chunk_body) -> list[tirx.Stmt]:
-        """`chunk_body(column, count)` over the whole row, in chunks."""
+        """`chunk_body(column, count, slot)` over the whole row, in chunks: a vector per slot at
+        a time, each into its own accumulator slot, then the rest into slot 0."""
         rows = self.rows
-        chunks, covered = chunk_steps(rows.width, rows.lanes, rows.index_type, chunk_body)
-        return chunks + element_steps(covered, rows.width, narrowest_chunk(rows.lanes) - 1,
-                                      lambda column: chunk_body(column, 1))
+        step = rows.slots * rows.lanes
+        group = tirx.Var("vector_group", rows.index_type)
+        slots = [chunk_body(group * step + slot * rows.lanes, rows.lanes, slot)
+                 for slot in range(rows.slots)]
+        unrolled = tirx.For(group, tirx.const(0, rows.index_type), tirx.floordiv(rows.width, step),
+                            tirx.ForKind.SERIAL,
+                            slots[0] if len(slots) == 1 else tirx.SeqStmt(slots))
+        done = tirx.floordiv(rows.width, step) * step
+        chunks, covered = chunk_steps(rows.width - done, rows.lanes, rows.index_type,
+                                      lambda column, count: chunk_body(done + column, count, 0))
+        return [unrolled, *chunks, *element_steps(done + covered, rows.width,
+                                                  narrowest_chunk(rows.lanes) - 1,
+                                                  lambda column: chunk_body(column, 1, 0))]
+
+    def _slot(self, slot: int, count: int):
+        return _lanes(tirx.const(slot * self.rows.lanes, self.rows.index_type), count)
 
     def fold(self, accumulator: tirx.Buffer, combine):
         """The vector in `accumulator` folded into one value, halving it in registers (Shuffles
         of a Let-bound vector): halves stored and reloaded through the stack array missed x86's
         store forwarding, a stall per halving (a 16-wide softmax row took 58 cycles)."""
         lanes = self.rows.lanes
-        vector = tirx.BufferLoad(accumulator,
-                                 [_lanes(tirx.const(0, self.rows.index_type), lanes)])
+        vector = functools.reduce(combine, [tirx.BufferLoad(accumulator, [self._slot(slot, lanes)])
+                                            for slot in range(self.rows.slots)])
         while lanes > 1:
             half = lanes // 2
             whole = tirx.Var(f"lanes{lanes}", vector.ty.dtype)

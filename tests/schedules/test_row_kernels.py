@@ -15,7 +15,8 @@ from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.target import resolve_target
 
 from conftest import THRESHOLDS
-from tightfit.schedules.row_kernels import ROW_GROUP
+from tightfit.schedules.isa import isa_for_target
+from tightfit.schedules.row_kernels import ROW_ACCUMULATORS, ROW_GROUP
 from kernel_harness import threshold_database
 
 
@@ -130,6 +131,15 @@ def test_last_axis_layer_norm_runs_row_by_row_without_temporaries(knob_database)
     kernel = scheduled_kernel(layer_norm_model(32), "layer_norm", knob_database)
     assert "row_mean" in kernel and "row_inverse_deviation" in kernel
     assert "sblock_alloc_buffer" not in kernel and "0.0010000000474974513" in kernel
+
+
+def test_rows_of_a_known_width_accumulate_in_several_vectors():
+    """A 256-wide layer norm sums into ROW_ACCUMULATORS vectors; a softmax over a sequence, of
+    symbolic width, into one."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    assert f"row_total = T.alloc_buffer(({ROW_ACCUMULATORS * lanes},))" in scheduled_kernel(
+        layer_norm_model(256), "layer_norm")
+    assert f"row_total = T.alloc_buffer(({lanes},))" in scheduled_softmax(softmax_model(-1))
 
 
 def test_layer_norm_over_two_axes_keeps_the_fallback_schedule():
