@@ -12,7 +12,8 @@ of taps). Output columns whose loads would leave the input row (the left and rig
 padding, and what is left of a row after whole vectors) are computed one at a time with bounds
 checks; the last vector of a row is shifted back over the one before it where the row is not a
 whole number of vectors (its outputs computed twice, the same values). Window rows outside the
-input are skipped with a check per row; the padding value is -inf, as ONNX's MaxPool's.
+input are skipped with a check per row. A maximum starts at the lowest float, the value TOPI
+pads with, so padded taps change nothing, as in ONNX's MaxPool.
 
 Recognized: a max_pool2d that LegalizeOps turned into a call of its own PrimFunc, NCHW,
 float32, dilation 1, which `legalize_max_pool` marks with its window; not one fused with an

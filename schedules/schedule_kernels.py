@@ -29,6 +29,7 @@ from .dispatch import (
 from .fallback_cpu import has_root_block, is_scheduled, parallelize_outer_loops
 from .isa import VectorISA, isa_for_target
 from .knob_database import KnobDatabase
+from .pool_kernels import schedule_max_pool
 from .register_tile import (
     KERNEL_ANNOTATION,
     REDUCTION_UNROLL_ANNOTATION,
@@ -40,7 +41,6 @@ from .register_tile import (
     apply_rewrites,
     schedule_register_tiles,
 )
-from .pool_kernels import schedule_max_pool
 from .row_kernels import schedule_row_kernel
 
 REGISTER_TILE_KERNELS = {conv2d.DIRECT, gemm.DENSE, gemm.MATMUL}
