@@ -21,10 +21,11 @@ is TOPI's fast_exp (range reduction to 2^n x a polynomial; its coefficients are 
 expf), written for vectors. Rows run in parallel above the parallel threshold and serially below
 it (dispatch.parallel_buckets), as the loops fallback_cpu.py schedules.
 
-Measured alone against TOPI's (transformer_encoder_dynamo's and _wide's shapes): softmax over
-1 x 4 x 128 x 128 67.6 -> 17.2 us, 3 x 4 x 16 x 16 3.9 -> 2.9 us, 1 x 4 x 5 x 5 0.68 -> 0.62 us;
-layer norm over 1 x 128 x 256 55.6 -> 6.2 us, 3 x 16 x 32 0.73 -> 0.38 us, 1 x 5 x 32 0.23 ->
-0.05 us.
+Measured alone against TOPI's with the fallback schedule (bench/memory_bound_kernels.py, AVX2
+host, median of the per-turn ratios): softmax over 1 x 4 x 128 x 128 0.60x, 3 x 4 x 16 x 16
+0.80x, 1 x 4 x 5 x 5 0.48x; layer norm over 3 x 16 x 32 0.21x, 1 x 5 x 32 0.27x, and over
+1 x 128 x 256 even (9.0 us each on one thread: on rows that wide LLVM's vectorized fallback
+loops do as well).
 
 Recognized: an unfused PrimFunc of TOPI's fast_softmax or layer_norm over the last axis only,
 float32 (its blocks and nothing else). One with an elementwise consumer fused into it, or over
