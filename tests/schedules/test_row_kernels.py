@@ -12,11 +12,11 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.schedules.isa import isa_for_target
+from tightfit.schedules.row_kernels import ROW_ACCUMULATORS, ROW_GROUP
 from tightfit.target import resolve_target
 
 from conftest import THRESHOLDS
-from tightfit.schedules.isa import isa_for_target
-from tightfit.schedules.row_kernels import ROW_ACCUMULATORS, ROW_GROUP
 from kernel_harness import threshold_database
 
 
@@ -69,7 +69,7 @@ def test_row_kernels_take_rows_in_groups_stage_by_stage(knob_database):
     """ROW_GROUP rows per iteration, every row's maximum folded before any row's sum is (the
     rows' dependent chains side by side), then the rows left one at a time."""
     kernel = scheduled_softmax(softmax_model(-1), knob_database)
-    grouped, rest = kernel.split("for row in", 1)[0], kernel.split("for row in", 1)[1]
+    grouped, rest = kernel.split("for row in", 1)
     assert f"row_group * T.int64({ROW_GROUP}) + T.int64({ROW_GROUP - 1})" in grouped
     maxima = [grouped.index(f"row_maximum{f'_{row}' if row else ''}: ") for row in range(ROW_GROUP)]
     assert max(maxima) < grouped.index("row_reciprocal: ")
@@ -140,6 +140,24 @@ def test_rows_of_a_known_width_accumulate_in_several_vectors():
     assert f"row_total = T.alloc_buffer(({ROW_ACCUMULATORS * lanes},))" in scheduled_kernel(
         layer_norm_model(256), "layer_norm")
     assert f"row_total = T.alloc_buffer(({lanes},))" in scheduled_softmax(softmax_model(-1))
+
+
+def test_softmax_over_classes_folds_its_accumulators_to_onnxruntime_s_values():
+    """A classifier's softmax over 1000 classes (a known width: several accumulators for the
+    maximum and the sum), rows of logits far apart, so that a wrong fold of the maxima would
+    overflow or lose every row's mass."""
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["y"], axis=-1)], "classes_softmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1000])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1000])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = tightfit.compile(model).session()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 1000)) * 20 + rng.uniform(-500, 500, (7, 1))
+    x[:, 997] += 200  # the maximum in the last vector's slot of a row
+    feeds = {"x": x.astype(np.float32)}
+    np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                               rtol=1e-4, atol=1e-6)
 
 
 def test_layer_norm_over_two_axes_keeps_the_fallback_schedule():
