@@ -15,17 +15,20 @@ These kernels make a few passes over each row while it sits in L1, with no tempo
   output (x - mean) / sqrt(variance + epsilon) x gamma + beta.
 Sums and maxima accumulate in a vector, folded across lanes once per row. Rows go in groups of
 ROW_GROUP, each pass made for every row of the group before the next pass. A row is moved in
-row_chunks.chunk_steps' chunks (whole vectors, then at most one chunk of each narrower power of
-two, then single elements), so a 5-wide row is a 4-lane chunk and an element. The exponential
-is TOPI's fast_exp (range reduction to 2^n x a polynomial; its coefficients are Cephes'
-expf), written for vectors. Rows run in parallel above the parallel threshold and serially below
+whole vectors, then, if the width is not a multiple of the vector, one vector shifted back to the
+row's end, its lanes already covered masked out (`_Row.over_row`); a row narrower than a vector,
+and softmax's scaling pass, which rewrites its output in place, in row_chunks.chunk_steps'
+chunks (at most one of each narrower power of two, then single elements), so a 5-wide row is a
+4-lane chunk and an element. Over a symbolic width the two kinds are versions of the kernel,
+chosen by the width (`_tail_buckets`). The exponential is TOPI's fast_exp (range reduction to
+2^n x a polynomial; its coefficients are Cephes' expf), written for vectors. Rows run in parallel above the parallel threshold and serially below
 it (dispatch.parallel_buckets), as the loops fallback_cpu.py schedules.
 
 Measured alone against TOPI's with the fallback schedule (bench/memory_bound_kernels.py, AVX2
-host, median of the per-turn ratios): softmax over 1 x 4 x 128 x 128 0.60x, 3 x 4 x 16 x 16
-0.80x, 1 x 4 x 5 x 5 0.48x; layer norm over 3 x 16 x 32 0.21x, 1 x 5 x 32 0.27x, and over
-1 x 128 x 256 even (9.0 us each on one thread: on rows that wide LLVM's vectorized fallback
-loops do as well).
+host, median of the per-turn ratios): softmax over 1 x 4 x 128 x 128 0.55x, 2 x 4 x 33 x 33
+0.70x, 3 x 4 x 16 x 16 0.68x, 1 x 4 x 5 x 5 0.37x; layer norm over 3 x 16 x 32 0.24x, 1 x 5 x 32
+0.27x, and over 1 x 128 x 256 even to 1.17x (9.0 us each on one thread: on rows that wide
+LLVM's vectorized fallback loops do as well).
 
 Recognized: an unfused PrimFunc of TOPI's fast_softmax or layer_norm over the last axis only,
 float32 (its blocks and nothing else). One with an elementwise consumer fused into it, or over
@@ -71,21 +74,35 @@ def schedule_row_kernel(func: tirx.PrimFunc, isa: VectorISA,
     blocks = {sch.get(block).name_hint: sch.get(block)
               for block in sch.get_child_blocks(sch.get_sblock("root"))}
     if _is_last_axis_softmax(func, blocks):
-        def version(parallel):
-            return softmax_rows(*func.params, isa.lanes, parallel)
+        def version(parallel, shifted_tail):
+            return softmax_rows(*func.params, isa.lanes, parallel, shifted_tail)
     elif (epsilon := _last_axis_layer_norm_epsilon(func, blocks)) is not None:
-        def version(parallel):
-            return layer_norm_rows(*func.params, epsilon, isa.lanes, parallel)
+        def version(parallel, shifted_tail):
+            return layer_norm_rows(*func.params, epsilon, isa.lanes, parallel, shifted_tail)
     else:
         return None
-    versions = [(condition, version(parallel))
-                for parallel, condition in parallel_buckets(loop_work(sch), min_parallel_work)]
+    threads = parallel_buckets(loop_work(sch), min_parallel_work)
+    versions = [(width_condition, nested_ifs([(condition, version(parallel, shifted_tail))
+                                              for parallel, condition in threads]))
+                for shifted_tail, width_condition in _tail_buckets(func.params[0].shape[-1],
+                                                                   isa.lanes)]
     return func.with_body(nested_ifs(versions)).with_attr("tirx.is_scheduled", True)
 
 
-def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool) -> tirx.Stmt:
-    """The loop over the rows of `data` (softmax along its last axis) writing `out`."""
-    rows = _Rows(data, out, lanes)
+def _tail_buckets(width, lanes: int) -> list[tuple[bool, object]]:
+    """[(shifted tail?, run-time condition or None for "otherwise")]: a row of a vector or
+    more ends in one vector shifted back to its end (`_Row.over_row`), a narrower one in
+    chunks."""
+    if isinstance(width, tirx.IntImm):
+        return [(width.value >= lanes, None)]
+    return [(True, width >= lanes), (False, None)]
+
+
+def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool,
+                 shifted_tail: bool) -> tirx.Stmt:
+    """The loop over the rows of `data` (softmax along its last axis) writing `out`; with
+    `shifted_tail`, for rows of at least `lanes` floats only (`_Row.over_row`)."""
+    rows = _Rows(data, out, lanes, shifted_tail)
     x, y = rows.views
     lowest = tirx.const(-3.4028234663852886e38, data.dtype)
 
@@ -95,31 +112,41 @@ def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool
         peak = row.accumulator("row_peak")
         total = row.accumulator("row_total")
 
-        def exp_chunk(column, count, slot):
-            shifted = row.at(x, column, count) - _splat(maximum, count)
-            exponentials = row.at(y, column, count)
-            return tirx.SeqStmt([row.store(y, fast_exp(shifted, count), column, count),
-                                 row.accumulate(total, exponentials, count, operator.add, slot)])
+        def exponential(column, count):
+            return fast_exp(row.at(x, column, count) - _splat(maximum, count), count)
+
+        def exp_chunk(column, count, slot, fresh):
+            # summed from registers: read back from the output, a shifted tail's load would
+            # straddle the previous vector's store and miss store forwarding
+            value = exponential(column, count)
+            exponentials = tirx.Var("exponentials", value.ty.dtype)
+            return tirx.SeqStmt([tirx.Bind(exponentials, value),
+                                 row.store(y, exponentials, column, count),
+                                 row.accumulate(total, exponentials, count, operator.add, slot,
+                                                fresh)])
+
+        def scale_chunk(column, count, _, __):
+            return row.store(y, row.at(y, column, count) * _splat(reciprocal, count), column, count)
 
         return [
             [*row.start(peak, lowest),
-             *row.over_row(lambda column, count, slot: row.accumulate(
-                 peak, row.at(x, column, count), count, tirx.max, slot))],
+             *row.over_row(lambda column, count, slot, fresh: row.accumulate(
+                 peak, row.at(x, column, count), count, tirx.max, slot, fresh))],
             [tirx.Bind(maximum, row.fold(peak, tirx.max)),
              *row.start(total, tirx.const(0, data.dtype)),
              *row.over_row(exp_chunk)],
             [tirx.Bind(reciprocal, tirx.const(1, data.dtype) / row.fold(total, operator.add)),
-             *row.over_row(lambda column, count, _: row.store(
-                 y, row.at(y, column, count) * _splat(reciprocal, count), column, count))],
+             *row.over_row(scale_chunk, rewrites_in_place=True)],
         ]
 
     return rows.loop(parallel, stages)
 
 
 def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, out: tirx.Buffer,
-                    epsilon: float, lanes: int, parallel: bool) -> tirx.Stmt:
-    """The loop over the rows of `data` (layer norm along its last axis) writing `out`."""
-    rows = _Rows(data, out, lanes)
+                    epsilon: float, lanes: int, parallel: bool, shifted_tail: bool) -> tirx.Stmt:
+    """The loop over the rows of `data` (layer norm along its last axis) writing `out`; with
+    `shifted_tail`, for rows of at least `lanes` floats only (`_Row.over_row`)."""
+    rows = _Rows(data, out, lanes, shifted_tail)
     x, y = rows.views
     dtype = data.dtype
     width = tirx.Cast(dtype, rows.width)
@@ -134,11 +161,11 @@ def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, ou
         def deviation(column, count):
             return row.at(x, column, count) - _splat(mean, count)
 
-        def square_chunk(column, count, slot):
+        def square_chunk(column, count, slot, fresh):
             return row.accumulate(squares, deviation(column, count) * deviation(column, count),
-                                  count, operator.add, slot)
+                                  count, operator.add, slot, fresh)
 
-        def out_chunk(column, count, _):
+        def out_chunk(column, count, _, __):
             index = _lanes(column, count)
             scaled = deviation(column, count) * _splat(inverse_deviation, count)
             return row.store(y, scaled * tirx.BufferLoad(gamma, [index])
@@ -146,8 +173,8 @@ def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, ou
 
         return [
             [*row.start(total, zero),
-             *row.over_row(lambda column, count, slot: row.accumulate(
-                 total, row.at(x, column, count), count, operator.add, slot))],
+             *row.over_row(lambda column, count, slot, fresh: row.accumulate(
+                 total, row.at(x, column, count), count, operator.add, slot, fresh))],
             [tirx.Bind(mean, row.fold(total, operator.add) / width),
              *row.start(squares, zero),
              *row.over_row(square_chunk)],
@@ -179,9 +206,10 @@ class _Rows:
     """A tensor and its output seen as rows along the last axis, and the loop over the rows
     whose body is built per row (`_Row`) in stages."""
 
-    def __init__(self, data: tirx.Buffer, out: tirx.Buffer, lanes: int):
+    def __init__(self, data: tirx.Buffer, out: tirx.Buffer, lanes: int, shifted_tail: bool):
         *leading, self.width = data.shape
         self.lanes = lanes
+        self.shifted_tail = shifted_tail
         self.index_type = self.width.ty.dtype
         self.count = functools.reduce(operator.mul, leading, tirx.const(1, self.index_type))
         wide = isinstance(self.width, tirx.IntImm) and self.width.value >= ROW_ACCUMULATORS * lanes
@@ -249,28 +277,69 @@ class _Row:
                                  [self._slot(slot, lanes)]) for slot in range(self.rows.slots)]
 
     def accumulate(self, accumulator: tirx.Buffer, value, count: int, combine,
-                   slot: int) -> tirx.Stmt:
+                   slot: int, fresh=None) -> tirx.Stmt:
+        """`value` combined into the accumulator's slot; only its `fresh` lanes, if given."""
         index = self._slot(slot, count)
-        return tirx.BufferStore(accumulator, combine(tirx.BufferLoad(accumulator, [index]), value),
-                                [index])
+        current = tirx.BufferLoad(accumulator, [index])
+        combined = combine(current, value)
+        if fresh is not None:
+            combined = tirx.Select(fresh, combined, current)
+        return tirx.BufferStore(accumulator, combined, [index])
 
-    def over_row(self, chunk_body) -> list[tirx.Stmt]:
-        """`chunk_body(column, count, slot)` over the whole row, in chunks: a vector per slot at
-        a time, each into its own accumulator slot, then the rest into slot 0."""
+    def over_row(self, chunk_body, rewrites_in_place: bool = False) -> list[tirx.Stmt]:
+        """`chunk_body(column, count, slot, fresh)` over the whole row: a vector per slot at a
+        time, each into its own accumulator slot, then the rest into slot 0, `fresh` None but
+        for a shifted tail.
+
+        The rest, for rows of at least a vector (`_Rows.shifted_tail`): the whole vectors left,
+        then, where the width is not a multiple of the vector, one vector ending at the row's
+        end, its `fresh` lanes (a mask) those the vectors before it did not cover. Its chunk
+        body combines only those into accumulators, and stores into the others what they
+        hold already (values computed from the input alone). A pass that `rewrites_in_place`
+        (softmax's scaling of its output) cannot: it, and rows narrower than a vector, take
+        the rest in chunks of narrower powers of two, then single elements. Under a symbolic
+        width those chunks' and elements' checks, in every pass over every row, cost as much
+        as the loops doing the work: a softmax over 3 x 4 x 16 x 16 took 3.29 us alone, 2.50 us
+        with no checks at all (wrong at other widths), 2.14 us at a static width. Softmax
+        alone, shifted tails in its first two passes against chunks in all three, median of
+        15 alternating pairs (AVX2 host): rows of 16 / 20 / 33 / 77 / 128 floats -16 / -10 /
+        -3 / -9 / -2%. Shifted in its scaling too, recomputing the exponentials of the tail
+        so as to rewrite the overlap as it was, rows of 20 and 33 took +14% and +6%."""
         rows = self.rows
         step = rows.slots * rows.lanes
         group = tirx.Var("vector_group", rows.index_type)
-        slots = [chunk_body(group * step + slot * rows.lanes, rows.lanes, slot)
+        slots = [chunk_body(group * step + slot * rows.lanes, rows.lanes, slot, None)
                  for slot in range(rows.slots)]
         unrolled = tirx.For(group, tirx.const(0, rows.index_type), tirx.floordiv(rows.width, step),
                             tirx.ForKind.SERIAL,
                             slots[0] if len(slots) == 1 else tirx.SeqStmt(slots))
         done = tirx.floordiv(rows.width, step) * step
+        if rows.shifted_tail and not rewrites_in_place:
+            return [unrolled, *self._shifted_tail(done, chunk_body)]
         chunks, covered = chunk_steps(rows.width - done, rows.lanes, rows.index_type,
-                                      lambda column, count: chunk_body(done + column, count, 0))
+                                      lambda column, count: chunk_body(done + column, count, 0,
+                                                                       None))
         return [unrolled, *chunks, *element_steps(done + covered, rows.width,
                                                   narrowest_chunk(rows.lanes) - 1,
-                                                  lambda column: chunk_body(column, 1, 0))]
+                                                  lambda column: chunk_body(column, 1, 0, None))]
+
+    def _shifted_tail(self, done, chunk_body) -> list[tirx.Stmt]:
+        """After `done` columns: the whole vectors left, then the last vector of the row, its
+        lanes left of column width - width % lanes masked out."""
+        rows = self.rows
+        lanes, width, index_type = rows.lanes, rows.width, rows.index_type
+        steps = []
+        if rows.slots > 1:
+            vector = tirx.Var("vector", index_type)
+            steps.append(tirx.For(vector, tirx.const(0, index_type),
+                                  tirx.floordiv(width - done, lanes), tirx.ForKind.SERIAL,
+                                  chunk_body(done + vector * lanes, lanes, 0, None)))
+        remainder = tirx.floormod(width, lanes)
+        fresh = (tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
+                 >= tirx.Broadcast(tirx.Cast("int32", lanes - remainder), lanes))
+        steps.append(tirx.IfThenElse(remainder != 0,
+                                     chunk_body(width - lanes, lanes, 0, fresh), None))
+        return steps
 
     def _slot(self, slot: int, count: int):
         return _lanes(tirx.const(slot * self.rows.lanes, self.rows.index_type), count)

@@ -150,8 +150,9 @@ def test_channel_vector_pointwise_conv_compiled_for_arm64_runs_on_the_emulated_d
 def test_pool_and_row_kernels_compiled_for_arm64_run_on_the_emulated_device(tracker,
                                                                             arm64_device):
     """A ResNet stem's max pool (3x3, stride 2, pad 1: two 4-lane loads deinterleaved per tap
-    group, scalar edge columns) and a softmax over its rows (rows in groups, 4-lane chunks and
-    single elements), at widths under a vector, of a few vectors, and with a shifted last one."""
+    group, scalar edge columns) and a softmax over its rows (rows in groups; a row under a
+    vector in chunks and single elements, wider ones ending in a vector shifted back to the
+    row's end), at widths under a vector, of a few vectors, and with a shifted last one."""
     graph = helper.make_graph(
         [helper.make_node("MaxPool", ["x"], ["pooled"], kernel_shape=[3, 3], strides=[2, 2],
                           pads=[1] * 4),

@@ -102,6 +102,26 @@ def test_row_softmax_matches_onnxruntime_at_any_width(compiled_sessions, batch, 
                                    atol=1e-6, err_msg=f"{name} at {batch}x{sequence}")
 
 
+def test_row_softmax_matches_onnxruntime_at_the_vector_edges(compiled_sessions):
+    """Symbolic widths around whole vectors of this host's ISA: a row narrower than a vector
+    (chunks), exactly one, one past it and one short of two (a vector shifted back to the row's
+    end, masked to the lanes left), serial and parallel; the maximum in the shifted vector's
+    masked lanes in one row, in its fresh lanes in another. A sum that took an overlapped lane
+    twice, or a fresh one not at all, would miss onnxruntime's values by far more than the
+    tolerance."""
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    rng = np.random.default_rng(11)
+    for width in (lanes - 1, lanes, lanes + 1, 2 * lanes - 1, 3 * lanes + 2):
+        x = rng.standard_normal((2, 3, width, width)) * 4
+        x[0, 0, 0, width - lanes] += 30  # masked lane of the shifted vector (a covered column)
+        x[0, 0, 1, width - 1] += 30      # its last, fresh lane
+        feeds = {"x": x.astype(np.float32)}
+        expected = run_onnxruntime(compiled_sessions["model"], feeds)["y"]
+        for name in ("serial", "parallel"):
+            np.testing.assert_allclose(compiled_sessions[name].run(feeds)["y"], expected,
+                                       rtol=1e-4, atol=1e-6, err_msg=f"{name} at width {width}")
+
+
 def test_row_softmax_compiles_for_arm64_neon_in_four_lane_chunks():
     arm64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
     kernel = scheduled_softmax(softmax_model(-1), target=arm64)
