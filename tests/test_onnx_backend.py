@@ -3,8 +3,6 @@
 tests/data/onnx_node_passing.txt lists the cases that passed in the last full run
 (`tightfit conformance --out results.json`, then the names with status "pass"); regenerate it
 after a change that makes more cases pass. Each case runs in an isolated worker process.
-Reductions over an empty dim (`*empty_set*`) are left out: their outputs read memory the kernel
-never writes, so they pass or fail by chance (a known bug, not yet fixed).
 """
 
 from pathlib import Path

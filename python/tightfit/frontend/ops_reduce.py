@@ -2,11 +2,13 @@
 
 TVM 0.27's converters assert the axes are constant. When they are not, which dims shrink (and,
 with keepdims=0, which dims remain) is known only at run time — an ISVDOS op in SoD2's terms.
-The reduction is computed one dim at a time: the input reduced along dim d, broadcast back, is
-selected where d is among the axes; after all dims, every reduced dim holds its result repeated,
-and taking the first 1 (reduced) or n (kept) entries of each dim keeps one copy. That is exact for
-reductions that compose over dims (sum, mean, max, min, prod); the others are written in terms
-of them (sum of squares, L1, L2, log-sum, log-sum-exp stabilized by the max). Axes must not
+The reduction is computed one dim at a time: the input reduced along dim d is put in front of
+the input along d, and `take` keeps entry 0 (d among the axes) or entries 1..n (d kept). That is
+exact for reductions that compose over dims (sum, mean, max, min, prod, log-sum-exp); the others
+are written in terms of them (sum of squares, L1, L2, log-sum). A reduced dim of length 0 gives
+the reduction's value over the empty set (0 for a sum, 1 for a product, -inf for a maximum and
+log-sum-exp, +inf for a minimum, as ONNX defines them), where broadcasting the reduction back to
+the input, as this file did before, lost it and the take read past the empty dim. Axes must not
 repeat (ONNX forbids it): with keepdims=0 the output rank is the input rank minus their count,
 so that count must be static; with keepdims=1 it may be computed too (ONNX's function bodies
 reduce over `Range(axis, Size(Shape(x)))`). An empty axes tensor reduces every dim unless
@@ -21,8 +23,18 @@ from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
 from .ops_shape import is_runtime_tensor, named_dims, runtime_arange, runtime_shape
 
+def _log_sum_exp(x: relax.Expr, axis: list[int], keepdims: bool) -> relax.Expr:
+    """log(sum(exp(x))) along `axis`, stabilized by the maximum there."""
+    peak = relax.op.max(x, axis=axis, keepdims=True)
+    spread = relax.op.sum(relax.op.exp(relax.op.subtract(x, peak)), axis=axis, keepdims=keepdims)
+    return relax.op.add(relax.op.log(spread),
+                        peak if keepdims else relax.op.squeeze(peak, axis=axis))
+
+
 _COMPOSING = {"sum": relax.op.sum, "mean": relax.op.mean, "max": relax.op.max,
-              "min": relax.op.min, "prod": relax.op.prod}
+              "min": relax.op.min, "prod": relax.op.prod, "log_sum_exp": _log_sum_exp}
+# ONNX's value over an empty set where TOPI's reductions start elsewhere
+_EMPTY_SET = {"max": float("-inf"), "min": float("inf")}
 
 
 def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.Expr, kind: str,
@@ -39,30 +51,32 @@ def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.E
         no_axes = relax.op.equal(relax.op.sum(matches), relax.const(0, "int64"))
         reduced = bb.emit(relax.op.logical_or(reduced, no_axes))
 
-    def compose(x: relax.Expr, op) -> relax.Expr:
-        for dim in range(rank):
-            along = relax.op.broadcast_to(op(x, axis=[dim], keepdims=True), x.ty.shape)
-            flag = relax.op.take(reduced, relax.const(dim, "int64"), axis=0)
-            x = bb.emit(relax.op.where(flag, along, x))
-        return x
-
-    if kind == "log_sum_exp":
-        peak = compose(data, relax.op.max)
-        spread = compose(bb.emit(relax.op.exp(relax.op.subtract(data, peak))), relax.op.sum)
-        full = bb.emit(relax.op.add(relax.op.log(spread), peak))
-    else:
-        pre = {"sum_square": lambda x: relax.op.multiply(x, x), "l2": lambda x: relax.op.multiply(x, x),
-               "l1": relax.op.abs}.get(kind, lambda x: x)
-        core = _COMPOSING.get(kind, relax.op.sum)
-        post = {"l2": relax.op.sqrt, "log_sum": relax.op.log}.get(kind, lambda x: x)
-        full = bb.emit(post(compose(bb.emit(pre(data)), core)))
-
     input_shape = bb.emit(relax.op.shape_to_tensor(relax.op.shape_of(data)))
     kept_shape = bb.emit(relax.op.where(reduced, relax.const(1, "int64"), input_shape))
-    result = full
-    for dim in range(rank):  # keep the first kept_shape[dim] entries: 1 where reduced
-        length = relax.op.strided_slice(kept_shape, axes=[0], begin=[dim], end=[dim + 1])
-        result = bb.emit(relax.op.take(result, runtime_arange(bb, length, f"reduced_dim{dim}_"), axis=dim))
+
+    def compose(x: relax.Expr, op) -> relax.Expr:
+        """`op` over every reduced dim of `x`, one dim at a time, each reduced dim left 1 long."""
+        for dim in range(rank):
+            # [op along dim, x] along dim, then the first entry where dim is reduced, the rest
+            # where it is kept: an empty reduced dim gives op's identity, never an entry of x
+            stacked = relax.op.concat([op(x, axis=[dim], keepdims=True), x], axis=dim)
+            flag = relax.op.take(reduced, relax.const(dim, "int64"), axis=0)
+            first = relax.op.subtract(relax.const(1, "int64"), relax.op.astype(flag, "int64"))
+            length = relax.op.strided_slice(kept_shape, axes=[0], begin=[dim], end=[dim + 1])
+            entries = relax.op.add(runtime_arange(bb, length, f"reduced_dim{dim}_"), first)
+            x = bb.emit(relax.op.take(stacked, entries, axis=dim))
+        return x
+
+    pre = {"sum_square": lambda x: relax.op.multiply(x, x), "l2": lambda x: relax.op.multiply(x, x),
+           "l1": relax.op.abs}.get(kind, lambda x: x)
+    core = _COMPOSING.get(kind, relax.op.sum)
+    post = {"l2": relax.op.sqrt, "log_sum": relax.op.log}.get(kind, lambda x: x)
+    result = bb.emit(post(compose(bb.emit(pre(data)), core)))
+    if kind in _EMPTY_SET:  # TOPI's maximum starts at the lowest float, ONNX's at -inf
+        emptied = relax.op.equal(relax.op.prod(relax.op.where(reduced, input_shape, kept_shape)),
+                                 relax.const(0, "int64"))
+        result = bb.emit(relax.op.where(emptied, relax.const(_EMPTY_SET[kind], data.ty.dtype),
+                                        result))
     if keepdims:
         return result
     # Kept dims first, in order: sort by (reduced, position); the first rank - len(axes) remain.
