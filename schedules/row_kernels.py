@@ -16,18 +16,22 @@ These kernels make a few passes over each row while it sits in L1, with no tempo
 Sums and maxima accumulate in a vector, folded across lanes once per row. Rows go in groups of
 ROW_GROUP, each pass made for every row of the group before the next pass. A row is moved in
 whole vectors, then, if the width is not a multiple of the vector, one vector shifted back to the
-row's end, its lanes already covered masked out (`_Row.over_row`); a row narrower than a vector,
-and softmax's scaling pass, which rewrites its output in place, in row_chunks.chunk_steps'
-chunks (at most one of each narrower power of two, then single elements), so a 5-wide row is a
-4-lane chunk and an element. Over a symbolic width the two kinds are versions of the kernel,
-chosen by the width (`_tail_buckets`). The exponential is TOPI's fast_exp (range reduction to
-2^n x a polynomial; its coefficients are Cephes' expf), written for vectors. Rows run in parallel above the parallel threshold and serially below
+row's end, its lanes already covered masked out of sums (`_Row.over_row`; softmax's scaling,
+which rewrites its output in place, loads that vector first, `_Row.rewrite_in_place`); a row
+narrower than a vector in row_chunks.chunk_steps' chunks (at most one of each narrower power of
+two, then single elements), so a 5-wide row is a 4-lane chunk and an element. Over a symbolic
+width the two kinds are versions of the kernel, chosen by the width (`_tail_buckets`). Softmax
+alone, shifted vectors against chunks in every pass, median of 15 alternating pairs (AVX2
+host): rows of 16 / 20 / 33 / 77 / 128 floats -19 / -21 / -8 / -9 / -7%; layer norm, whose
+widths are static (the chunks' checks resolved when compiled), within 2%. The exponential is
+TOPI's fast_exp (range reduction to 2^n x a polynomial; its coefficients are Cephes' expf),
+written for vectors. Rows run in parallel above the parallel threshold and serially below
 it (dispatch.parallel_buckets), as the loops fallback_cpu.py schedules.
 
 Measured alone against TOPI's with the fallback schedule (bench/memory_bound_kernels.py, AVX2
-host, median of the per-turn ratios): softmax over 1 x 4 x 128 x 128 0.55x, 2 x 4 x 33 x 33
-0.70x, 3 x 4 x 16 x 16 0.68x, 1 x 4 x 5 x 5 0.37x; layer norm over 3 x 16 x 32 0.24x, 1 x 5 x 32
-0.27x, and over 1 x 128 x 256 even to 1.17x (9.0 us each on one thread: on rows that wide
+host, median of the per-turn ratios): softmax over 1 x 4 x 128 x 128 0.56x, 2 x 4 x 33 x 33
+0.69x, 3 x 4 x 16 x 16 0.57x, 1 x 4 x 5 x 5 0.37x; layer norm over 3 x 16 x 32 0.21x, 1 x 5 x 32
+0.27x, and over 1 x 128 x 256 even to 1.14x (9.0 us each on one thread: on rows that wide
 LLVM's vectorized fallback loops do as well).
 
 Recognized: an unfused PrimFunc of TOPI's fast_softmax or layer_norm over the last axis only,
@@ -125,8 +129,6 @@ def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool
                                  row.accumulate(total, exponentials, count, operator.add, slot,
                                                 fresh)])
 
-        def scale_chunk(column, count, _, __):
-            return row.store(y, row.at(y, column, count) * _splat(reciprocal, count), column, count)
 
         return [
             [*row.start(peak, lowest),
@@ -136,7 +138,7 @@ def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool
              *row.start(total, tirx.const(0, data.dtype)),
              *row.over_row(exp_chunk)],
             [tirx.Bind(reciprocal, tirx.const(1, data.dtype) / row.fold(total, operator.add)),
-             *row.over_row(scale_chunk, rewrites_in_place=True)],
+             *row.rewrite_in_place(y, lambda values, count: values * _splat(reciprocal, count))],
         ]
 
     return rows.loop(parallel, stages)
@@ -286,7 +288,7 @@ class _Row:
             combined = tirx.Select(fresh, combined, current)
         return tirx.BufferStore(accumulator, combined, [index])
 
-    def over_row(self, chunk_body, rewrites_in_place: bool = False) -> list[tirx.Stmt]:
+    def over_row(self, chunk_body) -> list[tirx.Stmt]:
         """`chunk_body(column, count, slot, fresh)` over the whole row: a vector per slot at a
         time, each into its own accumulator slot, then the rest into slot 0, `fresh` None but
         for a shifted tail.
@@ -294,52 +296,73 @@ class _Row:
         The rest, for rows of at least a vector (`_Rows.shifted_tail`): the whole vectors left,
         then, where the width is not a multiple of the vector, one vector ending at the row's
         end, its `fresh` lanes (a mask) those the vectors before it did not cover. Its chunk
-        body combines only those into accumulators, and stores into the others what they
-        hold already (values computed from the input alone). A pass that `rewrites_in_place`
-        (softmax's scaling of its output) cannot: it, and rows narrower than a vector, take
-        the rest in chunks of narrower powers of two, then single elements. Under a symbolic
-        width those chunks' and elements' checks, in every pass over every row, cost as much
-        as the loops doing the work: a softmax over 3 x 4 x 16 x 16 took 3.29 us alone, 2.50 us
-        with no checks at all (wrong at other widths), 2.14 us at a static width. Softmax
-        alone, shifted tails in its first two passes against chunks in all three, median of
-        15 alternating pairs (AVX2 host): rows of 16 / 20 / 33 / 77 / 128 floats -16 / -10 /
-        -3 / -9 / -2%. Shifted in its scaling too, recomputing the exponentials of the tail
-        so as to rewrite the overlap as it was, rows of 20 and 33 took +14% and +6%."""
+        body combines only those into accumulators, and stores into the others what they hold
+        already (values computed from the input alone; a pass that rewrites the output in
+        place is `rewrite_in_place`). Rows narrower than a vector take the rest in chunks of
+        narrower powers of two, then single elements. Under a symbolic width those chunks' and
+        elements' checks, in every pass over every row, cost as much as the loops doing the
+        work: a softmax over 3 x 4 x 16 x 16 took 3.29 us alone, 2.50 us with no checks at all
+        (wrong at other widths), 2.14 us at a static width."""
+        whole, done = self._whole_vectors(chunk_body)
         rows = self.rows
-        step = rows.slots * rows.lanes
-        group = tirx.Var("vector_group", rows.index_type)
-        slots = [chunk_body(group * step + slot * rows.lanes, rows.lanes, slot, None)
-                 for slot in range(rows.slots)]
-        unrolled = tirx.For(group, tirx.const(0, rows.index_type), tirx.floordiv(rows.width, step),
-                            tirx.ForKind.SERIAL,
-                            slots[0] if len(slots) == 1 else tirx.SeqStmt(slots))
-        done = tirx.floordiv(rows.width, step) * step
-        if rows.shifted_tail and not rewrites_in_place:
-            return [unrolled, *self._shifted_tail(done, chunk_body)]
+        if rows.shifted_tail:
+            return whole + [tirx.IfThenElse(self._remainder() != 0, chunk_body(
+                rows.width - rows.lanes, rows.lanes, 0, self._fresh_lanes()), None)]
         chunks, covered = chunk_steps(rows.width - done, rows.lanes, rows.index_type,
                                       lambda column, count: chunk_body(done + column, count, 0,
                                                                        None))
-        return [unrolled, *chunks, *element_steps(done + covered, rows.width,
-                                                  narrowest_chunk(rows.lanes) - 1,
-                                                  lambda column: chunk_body(column, 1, 0, None))]
+        return [*whole, *chunks, *element_steps(done + covered, rows.width,
+                                                narrowest_chunk(rows.lanes) - 1,
+                                                lambda column: chunk_body(column, 1, 0, None))]
 
-    def _shifted_tail(self, done, chunk_body) -> list[tirx.Stmt]:
-        """After `done` columns: the whole vectors left, then the last vector of the row, its
-        lanes left of column width - width % lanes masked out."""
+    def rewrite_in_place(self, view, update) -> list[tirx.Stmt]:
+        """The row of `view` replaced by `update(values, count)`, chunk by chunk. A shifted last
+        vector is loaded before the vectors it overlaps are rewritten, and stored, updated in
+        every lane, after them: its overlapped lanes then get what those vectors wrote.
+        Against chunks in this pass alone (the others shifted), softmax over rows of 20 / 33
+        floats went from -10 / -3% to -21 / -8% (module docstring); recomputing the tail's
+        exponentials instead, to rewrite its overlap as it was, cost +14 / +6%."""
+        def chunk(column, count, _, __):
+            return self.store(view, update(self.at(view, column, count), count), column, count)
+
+        rows = self.rows
+        if not rows.shifted_tail:
+            return self.over_row(chunk)
+        last_column = rows.width - rows.lanes
+        last = tirx.Var("row_last_vector", f"{view.dtype}x{rows.lanes}")
+        whole, _ = self._whole_vectors(chunk)
+        return [tirx.Bind(last, self.at(view, last_column, rows.lanes)), *whole,
+                tirx.IfThenElse(self._remainder() != 0, self.store(
+                    view, update(last, rows.lanes), last_column, rows.lanes), None)]
+
+    def _whole_vectors(self, chunk_body) -> tuple[list[tirx.Stmt], object]:
+        """`chunk_body` over the row's whole groups of a vector per slot, and, for a shifted
+        tail, the whole vectors after them; and the columns the groups cover."""
         rows = self.rows
         lanes, width, index_type = rows.lanes, rows.width, rows.index_type
-        steps = []
-        if rows.slots > 1:
+        step = rows.slots * lanes
+        group = tirx.Var("vector_group", index_type)
+        slots = [chunk_body(group * step + slot * lanes, lanes, slot, None)
+                 for slot in range(rows.slots)]
+        steps = [tirx.For(group, tirx.const(0, index_type), tirx.floordiv(width, step),
+                          tirx.ForKind.SERIAL, slots[0] if len(slots) == 1 else tirx.SeqStmt(slots))]
+        done = tirx.floordiv(width, step) * step
+        if rows.shifted_tail and rows.slots > 1:
             vector = tirx.Var("vector", index_type)
             steps.append(tirx.For(vector, tirx.const(0, index_type),
                                   tirx.floordiv(width - done, lanes), tirx.ForKind.SERIAL,
                                   chunk_body(done + vector * lanes, lanes, 0, None)))
-        remainder = tirx.floormod(width, lanes)
-        fresh = (tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
-                 >= tirx.Broadcast(tirx.Cast("int32", lanes - remainder), lanes))
-        steps.append(tirx.IfThenElse(remainder != 0,
-                                     chunk_body(width - lanes, lanes, 0, fresh), None))
-        return steps
+        return steps, done
+
+    def _remainder(self):
+        return tirx.floormod(self.rows.width, self.rows.lanes)
+
+    def _fresh_lanes(self):
+        """The lanes of the row's last vector, shifted back to its end, that the whole vectors
+        before it did not cover."""
+        lanes = self.rows.lanes
+        return (tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
+                >= tirx.Broadcast(tirx.Cast("int32", lanes - self._remainder()), lanes))
 
     def _slot(self, slot: int, count: int):
         return _lanes(tirx.const(slot * self.rows.lanes, self.rows.index_type), count)
