@@ -162,18 +162,20 @@ def test_rows_of_a_known_width_accumulate_in_several_vectors():
     assert f"row_total = T.alloc_buffer(({lanes},))" in scheduled_softmax(softmax_model(-1))
 
 
-def test_softmax_over_classes_folds_its_accumulators_to_onnxruntime_s_values():
+@pytest.mark.parametrize("classes", [1000, 1003])
+def test_softmax_over_classes_folds_its_accumulators_to_onnxruntime_s_values(classes):
     """A classifier's softmax over 1000 classes (a known width: several accumulators for the
     maximum and the sum), rows of logits far apart, so that a wrong fold of the maxima would
-    overflow or lose every row's mass."""
+    overflow or lose every row's mass; over 1003, the row also ends in a shifted vector after
+    the accumulators' groups and the whole vectors left."""
     graph = helper.make_graph(
         [helper.make_node("Softmax", ["x"], ["y"], axis=-1)], "classes_softmax",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1000])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1000])])
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", classes])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", classes])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     session = tightfit.compile(model).session()
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((7, 1000)) * 20 + rng.uniform(-500, 500, (7, 1))
+    x = rng.standard_normal((7, classes)) * 20 + rng.uniform(-500, 500, (7, 1))
     x[:, 997] += 200  # the maximum in the last vector's slot of a row
     feeds = {"x": x.astype(np.float32)}
     np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
