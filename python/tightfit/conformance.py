@@ -31,6 +31,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -41,7 +42,9 @@ CASE_TIMEOUT_S = 30  # a case still compiling after this counts as failed
 # A worker's start (importing TVM, tightfit and onnx's cases) is not a case's time: on a loaded
 # 2-core machine it took most of the first cases' 30 s, and they "timed out" in CI.
 WORKER_START_TIMEOUT_S = 300
+POLL_S = 0.05  # how often the runner looks at the clock while cases run (their time limits)
 READY = "ready"
+NODE_CASE_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tightfit"
 # Element types tightfit compiles for; others (float8, int4, strings...) are outside its scope.
 SUPPORTED_DTYPES = frozenset(
     ["float16", "bfloat16", "float32", "float64", "bool", "int8", "int16", "int32", "int64",
@@ -85,14 +88,39 @@ class CaseResult:
 
 @cache
 def node_cases() -> dict:
-    """The node test cases of the installed onnx, by name."""
+    """The node test cases of the installed onnx, by name.
+
+    onnx generates them when they are loaded (its reference implementation computes every
+    expected output): 10 s of CPU in each process, and a conformance run starts several (its
+    workers, pytest's). The first process keeps them in a file under NODE_CASE_CACHE, named by
+    onnx's version, which the others read in 0.05 s."""
+    import pickle
+    import tempfile
     import warnings
 
     from onnx.backend.test.loader import load_model_tests
 
+    path = NODE_CASE_CACHE / f"onnx-{onnx.__version__}-node-cases.pickle"
+    try:
+        with open(path, "rb") as cached:
+            return pickle.load(cached)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        pass  # none yet, or written by another onnx: generate them
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the case generators overflow casts on purpose
-        return {case.name: case for case in load_model_tests(kind="node")}
+        cases = {case.name: case for case in load_model_tests(kind="node")}
+    try:  # written whole and renamed, so that a process reading it never sees half of it
+        NODE_CASE_CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=NODE_CASE_CACHE, delete=False) as partial:
+            try:
+                pickle.dump(cases, partial, protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException:
+                os.unlink(partial.name)
+                raise
+        os.replace(partial.name, path)
+    except OSError:
+        pass  # a read-only home: generate them in every process, as before
+    return cases
 
 
 def case_op(name: str) -> str:
@@ -201,6 +229,7 @@ def run_node_tests(engine: str = "tightfit", pattern: str | None = None, jobs: i
             for worker in workers:
                 if worker.current is None and pending:
                     worker.send(pending.pop())
+            _wait_for_a_reply([worker for worker in workers if worker.current], POLL_S)
             for worker in workers:
                 finished = worker.poll()
                 if finished is not None:
@@ -220,6 +249,16 @@ def run_node_tests(engine: str = "tightfit", pattern: str | None = None, jobs: i
             json.dump({"engine": engine, "summary": summarize(results),
                        "cases": [asdict(r) for r in results]}, out, indent=1)
     return results
+
+
+def _wait_for_a_reply(workers: list[_Worker], timeout: float) -> None:
+    """Until one of `workers` has written a reply (or died), at most `timeout` seconds: waiting
+    on each in turn, a reply sat unread while the loop waited on another worker."""
+    with selectors.DefaultSelector() as selector:
+        for worker in workers:
+            selector.register(worker.process.stdout, selectors.EVENT_READ)
+        if workers:
+            selector.select(timeout=timeout)
 
 
 class _Worker:
@@ -257,9 +296,10 @@ class _Worker:
         self.process.stdin.flush()
 
     def poll(self):
+        """The finished case's (name, status, reason, seconds), or None while it runs."""
         if self.current is None:
             return None
-        if self.selector.select(timeout=0.05):
+        if self.selector.select(timeout=0):
             line = self.process.stdout.readline()
             if line:
                 reply = json.loads(line)
