@@ -33,7 +33,7 @@ def _log_sum_exp(x: relax.Expr, axis: list[int], keepdims: bool) -> relax.Expr:
 
 _COMPOSING = {"sum": relax.op.sum, "mean": relax.op.mean, "max": relax.op.max,
               "min": relax.op.min, "prod": relax.op.prod, "log_sum_exp": _log_sum_exp}
-# ONNX's value over an empty set where TOPI's reductions start elsewhere
+# ONNX's value over an empty set of floats where TOPI's reductions start elsewhere
 _EMPTY_SET = {"max": float("-inf"), "min": float("inf")}
 
 
@@ -72,10 +72,11 @@ def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.E
     core = _COMPOSING.get(kind, relax.op.sum)
     post = {"l2": relax.op.sqrt, "log_sum": relax.op.log}.get(kind, lambda x: x)
     result = bb.emit(post(compose(bb.emit(pre(data)), core)))
-    if kind in _EMPTY_SET:  # TOPI's maximum starts at the lowest float, ONNX's at -inf
-        emptied = relax.op.equal(relax.op.prod(relax.op.where(reduced, input_shape, kept_shape)),
-                                 relax.const(0, "int64"))
-        result = bb.emit(relax.op.where(emptied, relax.const(_EMPTY_SET[kind], data.ty.dtype),
+    if kind in _EMPTY_SET and "float" in str(data.ty.dtype):
+        # TOPI's maximum starts at the lowest float, ONNX's at -inf (for integers, at the lowest
+        # value, as TOPI's); an empty input has an empty reduced dim, or an empty result
+        empty = relax.op.equal(relax.op.prod(input_shape), relax.const(0, "int64"))
+        result = bb.emit(relax.op.where(empty, relax.const(_EMPTY_SET[kind], data.ty.dtype),
                                         result))
     if keepdims:
         return result
