@@ -50,8 +50,9 @@ def test_runtime_axes_reduction_matches_onnxruntime_over_empty_and_full_dims(op,
 
 @pytest.mark.parametrize("op", ["ReduceMax", "ReduceMin", "ReduceSum"])
 def test_runtime_axes_reduction_of_integers_matches_onnxruntime(op):
-    """Integers have no infinity: their maximum over an empty set is TOPI's lowest value, and
-    the model must still import (an infinite float constant of an integer type does not)."""
+    """Integers have no infinity, so the empty-set infinity of floats must not reach them: an
+    integer model imports (an infinite constant of an integer type did not) and matches
+    onnxruntime along each axis."""
     node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=1)
     graph = helper.make_graph(
         [node], "integer_runtime_axes",
