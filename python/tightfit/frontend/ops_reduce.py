@@ -2,44 +2,94 @@
 
 TVM 0.27's converters assert the axes are constant. When they are not, which dims shrink (and,
 with keepdims=0, which dims remain) is known only at run time — an ISVDOS op in SoD2's terms.
-The reduction is computed one dim at a time: the input reduced along dim d is put in front of
-the input along d, and `take` keeps entry 0 (d among the axes) or entries 1..n (d kept). That is
-exact for reductions that compose over dims (sum, mean, max, min, prod, log-sum-exp); the others
-are written in terms of them (sum of squares, L1, L2, log-sum). A reduced dim of length 0 gives
-the reduction's value over the empty set (0 for a sum, 1 for a product, -inf for a maximum and
-log-sum-exp, +inf for a minimum, as ONNX defines them), where broadcasting the reduction back to
-the input, as this file did before, lost it and the take read past the empty dim. Axes must not
-repeat (ONNX forbids it): with keepdims=0 the output rank is the input rank minus their count,
-so that count must be static; with keepdims=1 it may be computed too (ONNX's function bodies
-reduce over `Range(axis, Size(Shape(x)))`). An empty axes tensor reduces every dim unless
-noop_with_empty_axes is set.
+The dims the keepdims=1 output has (1 where a dim is reduced, the input's dim where it is kept)
+are computed as a tensor and bound to fresh symbols, and one kernel reduces the input to them:
+along input dim d it loops over 1 entry where the output dim equals the input dim, and over
+the input dim otherwise. A reduced dim of length 1 is the same either way, and a reduced dim of
+length 0 gives a loop of none, so the result is the reduction's value over the empty set (0 for
+a sum, 1 for a product, -inf for a float maximum and log-sum-exp, +inf for a float minimum, as
+ONNX defines them; integers start at their lowest or highest value). The mean over an empty set
+is 0 / 0. Before, the reduction ran one dim at a time, each through a reduce, a concat and a
+take: 3 kernels a dim over symbolic shapes, 1.3 s of LLVM code generation for a rank-3 input.
+Axes must not repeat (ONNX forbids it): with keepdims=0 the output rank is the input rank minus
+their count, so that count must be static; with keepdims=1 it may be computed too (ONNX's
+function bodies reduce over `Range(axis, Size(Shape(x)))`). An empty axes tensor reduces every
+dim unless noop_with_empty_axes is set.
 """
 
 from __future__ import annotations
 
-from tvm import relax, tirx
+import functools
+import operator
+
+from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
-from .ops_shape import is_runtime_tensor, named_dims, runtime_arange, runtime_shape
+from .ops_shape import is_runtime_tensor, named_dims, runtime_shape
 
-def _log_sum_exp(x: relax.Expr, axis: list[int], keepdims: bool) -> relax.Expr:
-    """log(sum(exp(x))) along `axis`, stabilized by the maximum there."""
-    peak = relax.op.max(x, axis=axis, keepdims=True)
-    spread = relax.op.sum(relax.op.exp(relax.op.subtract(x, peak)), axis=axis, keepdims=keepdims)
-    return relax.op.add(relax.op.log(spread),
-                        peak if keepdims else relax.op.squeeze(peak, axis=axis))
+# Each reduction as (combine two values, value over the empty set of a dtype).
+_SUM = (lambda x, y: x + y, lambda dtype: tirx.const(0, dtype))
+_REDUCERS = {
+    "sum": _SUM,
+    "mean": _SUM,
+    "prod": (lambda x, y: x * y, lambda dtype: tirx.const(1, dtype)),
+    "max": (lambda x, y: tirx.Or(x, y) if _is_bool(x) else tirx.Max(x, y),
+            lambda dtype: _extreme(dtype, lowest=True)),
+    "min": (lambda x, y: tirx.And(x, y) if _is_bool(x) else tirx.Min(x, y),
+            lambda dtype: _extreme(dtype, lowest=False)),
+}
+_BEFORE = {"sum_square": lambda x: x * x, "l2": lambda x: x * x, "l1": tirx.abs}
+_AFTER = {"l2": tirx.sqrt, "log_sum": tirx.log}
 
 
-_COMPOSING = {"sum": relax.op.sum, "mean": relax.op.mean, "max": relax.op.max,
-              "min": relax.op.min, "prod": relax.op.prod, "log_sum_exp": _log_sum_exp}
-# ONNX's value over an empty set of floats where TOPI's reductions start elsewhere
-_EMPTY_SET = {"max": float("-inf"), "min": float("inf")}
+def _is_bool(value: tirx.PrimExpr) -> bool:
+    """LLVM code generation has no maximum or minimum of bools: they are `or` and `and`."""
+    return value.ty == "bool"
+
+
+def _extreme(dtype: str, lowest: bool):
+    """-inf / +inf for floats (ONNX's maximum / minimum over nothing), else the type's bound."""
+    if str(dtype) == "bool":  # TVM's min_value / max_value know no bound for it
+        return tirx.const(not lowest, "bool")
+    if "float" in str(dtype):
+        return tirx.const(float("-inf") if lowest else float("inf"), dtype)
+    return tirx.min_value(dtype) if lowest else tirx.max_value(dtype)
+
+
+def _reduce_to_dims(data: te.Tensor, out_dims: list, kind: str) -> te.Tensor:
+    """`kind` of `data` over every dim d where out_dims[d] differs from data's dim d (then 1)."""
+    in_dims = data.shape
+    extents = [tirx.Select(out == dim, tirx.const(1, "int64"), dim)
+               for out, dim in zip(out_dims, in_dims)]
+
+    def reduction(kind: str, element) -> te.Tensor:
+        combine, identity = _REDUCERS[kind]
+        reducer = te.comm_reducer(combine, identity, name=kind)
+        loops = [te.reduce_axis((0, extent), f"k{d}") for d, extent in enumerate(extents)]
+        return te.compute(out_dims, lambda *out: reducer(
+            element(out, [o + k for o, k in zip(out, loops)]), axis=loops), name=f"reduce_{kind}")
+
+    before = _BEFORE.get(kind, lambda x: x)
+    if kind == "log_sum_exp":
+        peak = reduction("max", lambda out, at: data(*at))
+        spread = reduction("sum", lambda out, at: tirx.exp(data(*at) - peak(*out)))
+        return te.compute(out_dims, lambda *out: tirx.log(spread(*out)) + peak(*out), name="log_sum_exp")
+    total = reduction(kind if kind in _REDUCERS else "sum", lambda out, at: before(data(*at)))
+    if kind == "mean":
+        count = functools.reduce(operator.mul, extents)
+        if "float" not in str(data.dtype):  # an integer 0 / 0 would trap the process
+            count = tirx.Max(count, tirx.const(1, "int64"))
+        count = tirx.Cast(str(data.dtype), count)
+        return te.compute(out_dims, lambda *out: total(*out) / count, name="mean")
+    after = _AFTER.get(kind)
+    return te.compute(out_dims, lambda *out: after(total(*out)), name=kind) if after else total
 
 
 def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.Expr, kind: str,
                          keepdims: bool, noop_with_empty_axes: bool) -> relax.Expr:
-    rank = len(data.ty.shape.values)
+    data = named_dims(bb, data, "reduced_input_dim")
+    rank = data.ty.ndim
     axes = bb.emit(relax.op.astype(axes, "int64"))
     axes = bb.emit(relax.op.where(relax.op.less(axes, relax.const(0, "int64")),
                                   relax.op.add(axes, relax.const(rank, "int64")), axes))
@@ -53,31 +103,10 @@ def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.E
 
     input_shape = bb.emit(relax.op.shape_to_tensor(relax.op.shape_of(data)))
     kept_shape = bb.emit(relax.op.where(reduced, relax.const(1, "int64"), input_shape))
-
-    def compose(x: relax.Expr, op) -> relax.Expr:
-        """`op` over every reduced dim of `x`, one dim at a time, each reduced dim left 1 long."""
-        for dim in range(rank):
-            # [op along dim, x] along dim, then the first entry where dim is reduced, the rest
-            # where it is kept: an empty reduced dim gives op's identity, never an entry of x
-            stacked = relax.op.concat([op(x, axis=[dim], keepdims=True), x], axis=dim)
-            flag = relax.op.take(reduced, relax.const(dim, "int64"), axis=0)
-            first = relax.op.subtract(relax.const(1, "int64"), relax.op.astype(flag, "int64"))
-            length = relax.op.strided_slice(kept_shape, axes=[0], begin=[dim], end=[dim + 1])
-            entries = relax.op.add(runtime_arange(bb, length, f"reduced_dim{dim}_"), first)
-            x = bb.emit(relax.op.take(stacked, entries, axis=dim))
-        return x
-
-    pre = {"sum_square": lambda x: relax.op.multiply(x, x), "l2": lambda x: relax.op.multiply(x, x),
-           "l1": relax.op.abs}.get(kind, lambda x: x)
-    core = _COMPOSING.get(kind, relax.op.sum)
-    post = {"l2": relax.op.sqrt, "log_sum": relax.op.log}.get(kind, lambda x: x)
-    result = bb.emit(post(compose(bb.emit(pre(data)), core)))
-    if kind in _EMPTY_SET and "float" in str(data.ty.dtype):
-        # TOPI's maximum starts at the lowest float, ONNX's at -inf (for integers, at the lowest
-        # value, as TOPI's); an empty input has an empty reduced dim, or an empty result
-        empty = relax.op.equal(relax.op.prod(input_shape), relax.const(0, "int64"))
-        result = bb.emit(relax.op.where(empty, relax.const(_EMPTY_SET[kind], data.ty.dtype),
-                                        result))
+    kept_dims = [tirx.Var(f"reduced_output_dim{d}", "int64") for d in range(rank)]
+    bb.match_cast(runtime_shape(bb, kept_shape), relax.ShapeType(kept_dims))
+    result = bb.emit_te(_reduce_to_dims, data, kept_dims, kind,
+                        primfunc_name_hint=f"reduce_{kind}_over_runtime_axes")
     if keepdims:
         return result
     # Kept dims first, in order: sort by (reduced, position); the first rank - len(axes) remain.
