@@ -3,8 +3,12 @@ ConstantOfShape, Slice, TopK, Resize, Upsample), shape arithmetic as exporters w
 types kept through import. Each model is compared with onnxruntime, at several shapes where it is
 dynamic, through one compiled package."""
 
+import functools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
@@ -224,6 +228,45 @@ def test_slice_with_bounds_given_at_run_time():
                value("axes", INT64, [2]), value("steps", INT64, [2])], [unknown("y", FLOAT, 2)])
     check(m, {"x": floats(4, 6), "starts": np.array([-1, 1]), "ends": np.array([-100, 100]),
               "axes": np.array([0, 1]), "steps": np.array([-2, 2])})
+
+
+@functools.cache
+def runtime_slice_session():
+    """Slice of a rank-3 input of symbolic dims along two axes, every bound fed at run time."""
+    m = model([node("Slice", ["x", "starts", "ends", "axes", "steps"], "y")],
+              [value("x", FLOAT, ["a", "b", "c"]), value("starts", INT64, [2]), value("ends", INT64, [2]),
+               value("axes", INT64, [2]), value("steps", INT64, [2])], [unknown("y", FLOAT, 3)])
+    return m, tightfit.compile(m).session()
+
+
+@st.composite
+def slice_bounds(draw):
+    """(start, end, step) of one axis: small bounds of any sign, or an end of "all the way"
+    (INT64_MAX forward, INT64_MIN backward, as exporters write it)."""
+    step = draw(st.integers(-3, 3).filter(bool))
+    to_the_edge = 2**63 - 1 if step > 0 else -2**63
+    return draw(st.integers(-9, 9)), draw(st.integers(-9, 9) | st.just(to_the_edge)), step
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=3, max_size=3),
+       axes=st.permutations([0, 1, 2]).map(lambda order: order[:2]), negative_axes=st.booleans(),
+       bounds=st.lists(slice_bounds(), min_size=2, max_size=2))
+def test_slice_with_bounds_given_at_run_time_matches_onnxruntime(shape, axes, negative_axes, bounds):
+    """Bounds of either sign and past either end, steps of either sign, empty dims and empty
+    results: one package's gather by clamped start, step and length (ops_shape._slice_by_gather)
+    gives onnxruntime's values and shape. (Huge bounds are drawn only as exporters write them:
+    onnxruntime and onnx's reference disagree on, e.g., an end of INT64_MAX with a negative step.)"""
+    m, session = runtime_slice_session()
+    starts, ends, steps = zip(*bounds)
+    feeds = {"x": np.arange(np.prod(shape), dtype=np.float32).reshape(shape),
+             "starts": np.array(starts, np.int64), "ends": np.array(ends, np.int64),
+             "axes": np.array([axis - 3 if negative_axes else axis for axis in axes], np.int64),
+             "steps": np.array(steps, np.int64)}
+    expected = run_onnxruntime(m, feeds)["y"]
+    actual = session.run(feeds)["y"]
+    assert actual.shape == expected.shape
+    np.testing.assert_array_equal(actual, expected)
 
 
 @pytest.mark.parametrize("largest", [1, 0])

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 import tvm
-from tvm import relax, tirx, topi
+from tvm import relax, te, tirx, topi
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
@@ -337,10 +337,12 @@ class Slice(onnx_frontend.Slice):
     """Slice with starts, ends, axes or steps computed in the graph or given at run time.
 
     Traced to constants or shape expressions, they go to `strided_slice` (huge ends clamped:
-    symbolic arithmetic on INT64_MAX overflows). Otherwise every dim is a `take` of
-    start + step * arange(count), ONNX's clamping done in the tensor domain (dims not sliced take
-    their whole range): TVM's own path lowers to dynamic_strided_slice, whose shape function the
-    constant folding before legalization loses.
+    symbolic arithmetic on INT64_MAX overflows). Otherwise ONNX's clamping is done in the tensor
+    domain for every dim at once (dims not sliced take their whole range), the clamped starts,
+    steps and output lengths are bound to symbols, and one kernel gathers
+    data[start + step * index] (TVM's own path lowers to dynamic_strided_slice, whose shape
+    function the constant folding before legalization loses). A `take` of an arange per dim,
+    as this was before, compiled 3 kernels a dim: 2 s for a rank-3 slice, 0.7 s now.
     """
 
     @classmethod
@@ -363,7 +365,7 @@ class Slice(onnx_frontend.Slice):
                 data, [constant_value(axis) % rank for axis in axes],
                 [_clamped(v) for v in starts], [_clamped(v) for v in ends],
                 [constant_value(step) for step in steps], assume_inbound=False)
-        return _slice_by_take(bb, data, *parameters)
+        return _slice_by_gather(bb, data, *parameters)
 
 
 def _clamped(bound):
@@ -373,7 +375,7 @@ def _clamped(bound):
     return tirx.IntImm("int64", max(-_SLICE_BOUND, min(_SLICE_BOUND, value)))
 
 
-def _slice_by_take(bb, data, starts, ends, axes, steps) -> relax.Expr:
+def _slice_by_gather(bb, data, starts, ends, axes, steps) -> relax.Expr:
     rank = len(_input_dims(data))
     shape = _shape_tensor(bb, data)
     if axes is None:
@@ -386,30 +388,32 @@ def _slice_by_take(bb, data, starts, ends, axes, steps) -> relax.Expr:
             return defaults
         return bb.emit(relax.op.scatter_elements(defaults, axes, int64_tensor(bb, values)))
 
-    all_starts = full(_int64([0] * rank), starts)
-    all_ends = full(shape, ends)
-    all_steps = full(_int64([1] * rank), steps)
-    result = data
-    for axis in range(rank):
-        def at(vector):
-            return bb.emit(relax.op.take(vector, _int64(axis), axis=0))
+    # ONNX's clamping, for every dim at once (dims not sliced take their whole range)
+    start, end, step = full(_int64([0] * rank), starts), full(shape, ends), full(_int64([1] * rank), steps)
+    positive = relax.op.greater(step, _int64(0))
+    last = relax.op.subtract(shape, _int64(1))
+    start = relax.op.where(relax.op.less(start, _int64(0)), relax.op.add(start, shape), start)
+    end = relax.op.where(relax.op.less(end, _int64(0)), relax.op.add(end, shape), end)
+    start = bb.emit(relax.op.minimum(relax.op.maximum(start, _int64(0)), relax.op.where(positive, shape, last)))
+    end = relax.op.minimum(relax.op.maximum(end, relax.op.where(positive, _int64(0), _int64(-1))),
+                           relax.op.where(positive, shape, last))
+    toward = relax.op.subtract(step, relax.op.where(positive, _int64(1), _int64(-1)))
+    length = relax.op.maximum(
+        relax.op.floor_divide(relax.op.add(relax.op.subtract(end, start), toward), step), _int64(0))
 
-        dim, start, end, step = at(shape), at(all_starts), at(all_ends), at(all_steps)
-        positive = relax.op.greater(step, _int64(0))
-        last = relax.op.subtract(dim, _int64(1))
-        start = relax.op.where(relax.op.less(start, _int64(0)), relax.op.add(start, dim), start)
-        end = relax.op.where(relax.op.less(end, _int64(0)), relax.op.add(end, dim), end)
-        start = relax.op.minimum(relax.op.maximum(start, _int64(0)), relax.op.where(positive, dim, last))
-        end = relax.op.minimum(relax.op.maximum(end, relax.op.where(positive, _int64(0), _int64(-1))),
-                               relax.op.where(positive, dim, last))
-        start, end = bb.emit(start), bb.emit(end)
-        toward = relax.op.subtract(step, relax.op.where(positive, _int64(1), _int64(-1)))
-        length = relax.op.maximum(
-            relax.op.floor_divide(relax.op.add(relax.op.subtract(end, start), toward), step), _int64(0))
-        offsets = runtime_arange(bb, bb.emit(length), f"slice_axis{axis}_")
-        indices = bb.emit(relax.op.add(start, relax.op.multiply(step, offsets)))
-        result = bb.emit(relax.op.take(result, indices, axis=axis))
-    return result
+    def symbols(vector, prefix: str) -> list:  # the vector's values bound to fresh symbols
+        values = [tirx.Var(f"{prefix}{axis}", "int64") for axis in range(rank)]
+        bb.match_cast(runtime_shape(bb, vector), relax.ShapeType(values))
+        return values
+
+    out_dims, first, stride = symbols(length, "slice_dim"), symbols(start, "slice_start"), symbols(step, "slice_step")
+    return bb.emit_te(_strided_gather, data, out_dims, first, stride, primfunc_name_hint="slice")
+
+
+def _strided_gather(data: te.Tensor, out_dims: list, first: list, stride: list) -> te.Tensor:
+    """out[o] = data[first + o * stride], dim by dim."""
+    return te.compute(out_dims, lambda *out: data(*[begin + index * step for begin, index, step
+                                                    in zip(first, out, stride)]), name="slice")
 
 
 class TopK(onnx_frontend.TopK):
