@@ -31,6 +31,9 @@ from tvm import s_tir, tirx
 from .dispatch import DEFAULT_MIN_PARALLEL_WORK, join_versions, loop_work, parallel_buckets
 from .knob_database import KnobDatabase
 
+# A block annotated so stays a buffer: a small table (a gather's per-dim source indices) whose
+# values, inlined, would be recomputed for every element that reads them.
+MATERIALIZED = "tightfit.materialized"
 # A fused loop with fewer iterations than this cannot keep two threads busy.
 MIN_PARALLEL_EXTENT = 2
 MAX_FUSED_LOOPS = 2
@@ -167,6 +170,7 @@ def _inline_injective_blocks(schedule: s_tir.Schedule) -> None:
 
     A block is not inlined into a reduction: padding inlined into a convolution would evaluate
     its bounds check once per multiply-add instead of once per element (measured 2x slower).
+    A block annotated MATERIALIZED is not inlined, nor its consumers into it.
     The schedule primitives check legality themselves (an output block, a reduction or a
     non-injective access is refused with a ScheduleError), so trying is the test.
     """
@@ -175,10 +179,13 @@ def _inline_injective_blocks(schedule: s_tir.Schedule) -> None:
         changed = False
         root = schedule.get_sblock("root")
         for block in schedule.get_child_blocks(root):
-            if any(_is_reduction(schedule, consumer) for consumer in schedule.get_consumers(block)):
-                inlines = (schedule.reverse_compute_inline,)
-            else:
-                inlines = (schedule.compute_inline, schedule.reverse_compute_inline)
+            if _materialized(schedule, block):
+                continue
+            inlines = []
+            if not any(_is_reduction(schedule, consumer) for consumer in schedule.get_consumers(block)):
+                inlines.append(schedule.compute_inline)
+            if not any(_materialized(schedule, producer) for producer in schedule.get_producers(block)):
+                inlines.append(schedule.reverse_compute_inline)
             for inline in inlines:
                 try:
                     inline(block)
@@ -188,6 +195,10 @@ def _inline_injective_blocks(schedule: s_tir.Schedule) -> None:
                 break
             if changed:
                 break
+
+
+def _materialized(schedule: s_tir.Schedule, block) -> bool:
+    return MATERIALIZED in schedule.get(block).annotations
 
 
 def _is_reduction(schedule: s_tir.Schedule, block) -> bool:

@@ -44,3 +44,23 @@ def test_an_empty_static_dim_compiles_and_gives_an_empty_result():
     _, executable = compile_with_kernels(mod)
     x = np.zeros((3, 16, 0), np.float32)
     assert run(executable, x).shape == (3, 16, 0)
+
+
+def test_a_block_annotated_materialized_stays_a_buffer_and_others_inline():
+    """A gather's per-dim source indices (frontend/ops_pad.py) stay a table the gather reads;
+    an unannotated producer of the same form is inlined into its consumer."""
+    from tvm import te, tirx
+
+    from tightfit.schedules.fallback_cpu import MATERIALIZED, schedule_prim_func
+
+    n = tirx.Var("n", "int64")
+    data = te.placeholder((n, 16), "float32", "data")
+
+    def gather(attrs):
+        rows = te.compute((n,), lambda i: tirx.floormod(i + 1, n), name="rows", attrs=attrs)
+        return te.compute((n, 16), lambda i, j: data[rows[i], j], name="gathered")
+
+    for attrs, blocks in [({MATERIALIZED: 1}, {"rows", "gathered"}), ({}, {"gathered"})]:
+        func = schedule_prim_func(te.create_prim_func([data, gather(attrs)]))
+        names = set(re.findall(r'T\.sblock\("(\w+)"\)', func.script()))
+        assert names - {"root"} - {name for name in names if name.startswith("version")} == blocks

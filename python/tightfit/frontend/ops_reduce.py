@@ -26,7 +26,7 @@ from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
-from .ops_shape import is_runtime_tensor, named_dims, runtime_shape
+from .ops_shape import is_runtime_tensor, named_dims, runtime_shape, runtime_symbols
 
 # Each reduction as (combine two values, value over the empty set of a dtype).
 _SUM = (lambda x, y: x + y, lambda dtype: tirx.const(0, dtype))
@@ -103,8 +103,7 @@ def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.E
 
     input_shape = bb.emit(relax.op.shape_to_tensor(relax.op.shape_of(data)))
     kept_shape = bb.emit(relax.op.where(reduced, relax.const(1, "int64"), input_shape))
-    kept_dims = [tirx.Var(f"reduced_output_dim{d}", "int64") for d in range(rank)]
-    bb.match_cast(runtime_shape(bb, kept_shape), relax.ShapeType(kept_dims))
+    kept_dims = runtime_symbols(bb, kept_shape, "reduced_output_dim")
     result = bb.emit_te(_reduce_to_dims, data, kept_dims, kind,
                         primfunc_name_hint=f"reduce_{kind}_over_runtime_axes")
     if keepdims:

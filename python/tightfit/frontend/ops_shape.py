@@ -64,6 +64,15 @@ def runtime_shape(bb: relax.BlockBuilder, vector: relax.Expr) -> relax.Expr:
     return bb.emit(relax.op.tensor_to_shape(int64_tensor(bb, vector)))
 
 
+def runtime_symbols(bb: relax.BlockBuilder, vector: relax.Expr, prefix: str) -> list[tirx.Var]:
+    """Fresh symbols bound, when the model runs, to the values of a 1-D integer tensor of static
+    length, for a kernel to use as dims, offsets or strides. Pass them to `emit_te` as
+    an argument: a symbol only captured by the compute is not passed to the kernel."""
+    symbols = [tirx.Var(f"{prefix}{index}", "int64") for index in range(int(vector.ty.shape.values[0]))]
+    bb.match_cast(runtime_shape(bb, vector), relax.ShapeType(symbols))
+    return symbols
+
+
 def with_dims(bb: relax.BlockBuilder, tensor: relax.Expr, dims: list, prefix: str) -> relax.Expr:
     """`tensor`, its type stating `dims`: the known ones as given, a fresh symbol for each None.
 
@@ -401,12 +410,8 @@ def _slice_by_gather(bb, data, starts, ends, axes, steps) -> relax.Expr:
     length = relax.op.maximum(
         relax.op.floor_divide(relax.op.add(relax.op.subtract(end, start), toward), step), _int64(0))
 
-    def symbols(vector, prefix: str) -> list:  # the vector's values bound to fresh symbols
-        values = [tirx.Var(f"{prefix}{axis}", "int64") for axis in range(rank)]
-        bb.match_cast(runtime_shape(bb, vector), relax.ShapeType(values))
-        return values
-
-    out_dims, first, stride = symbols(length, "slice_dim"), symbols(start, "slice_start"), symbols(step, "slice_step")
+    out_dims, first, stride = (runtime_symbols(bb, bb.emit(vector), prefix) for vector, prefix
+                               in [(length, "slice_dim"), (start, "slice_start"), (step, "slice_step")])
     return bb.emit_te(_strided_gather, data, out_dims, first, stride, primfunc_name_hint="slice")
 
 
