@@ -3,7 +3,8 @@
 Every lowered PrimFunc that no specialized kernel (issue 5) claims gets this schedule:
 1. Inlining. FuseTIR only concatenates the blocks of a fused group; each block still writes a
    whole intermediate buffer. Padding and other injective producers are inlined into their
-   consumers, elementwise epilogues into each other, until nothing more inlines.
+   consumers, elementwise epilogues into each other, until nothing more inlines. A block
+   annotated MATERIALIZED (a gather's small index table, frontend/ops_pad.py) stays a buffer.
 2. Parallel loops. For each remaining top-level block, up to MAX_FUSED_LOOPS leading loops that
    only feed spatial (data-parallel) block iterators are fused and marked parallel; this works for
    symbolic extents. Fusing deeper would make every element pay integer divisions by symbolic

@@ -82,3 +82,19 @@ def test_any_pads_onnxruntime_accepts_give_its_values(mode, rows, pads):
     ours = session.run(feeds)["y"]
     assert ours.shape == expected.shape
     np.testing.assert_array_equal(ours, expected)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect"])
+def test_pads_given_at_run_time_of_a_map_of_symbolic_dims(mode):
+    """An image-shaped input, every dim symbolic: constant padding failed to compile this way
+    (VMShapeLower: the output's element count was never computed) before the pad became one
+    kernel."""
+    graph = helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["y"], mode=mode)], "pad",
+        [helper.make_tensor_value_info("x", FLOAT, ["n", "c", "h", "w"]),
+         helper.make_tensor_value_info("pads", INT64, [8])],
+        [helper.make_tensor_value_info("y", FLOAT, [None] * 4)])
+    image = np.arange(2 * 3 * 5 * 4, dtype=np.float32).reshape(2, 3, 5, 4)
+    check(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]),
+          {"x": image, "pads": np.array([0, 0, 2, 1, 0, 1, -1, 3], np.int64)},
+          {"x": image[:1, :, :3], "pads": np.array([0, 0, 1, 2, 0, 0, 2, 1], np.int64)})

@@ -63,12 +63,13 @@ def _reduce_to_dims(data: te.Tensor, out_dims: list, kind: str) -> te.Tensor:
     extents = [tirx.Select(out == dim, tirx.const(1, "int64"), dim)
                for out, dim in zip(out_dims, in_dims)]
 
-    def reduction(kind: str, element) -> te.Tensor:
-        combine, identity = _REDUCERS[kind]
-        reducer = te.comm_reducer(combine, identity, name=kind)
+    def reduction(reducer_name: str, element) -> te.Tensor:
+        """_REDUCERS[reducer_name] of element(output index, input index) over the loops."""
+        combine, identity = _REDUCERS[reducer_name]
+        reducer = te.comm_reducer(combine, identity, name=reducer_name)
         loops = [te.reduce_axis((0, extent), f"k{d}") for d, extent in enumerate(extents)]
         return te.compute(out_dims, lambda *out: reducer(
-            element(out, [o + k for o, k in zip(out, loops)]), axis=loops), name=f"reduce_{kind}")
+            element(out, [o + k for o, k in zip(out, loops)]), axis=loops), name=f"reduce_{reducer_name}")
 
     before = _BEFORE.get(kind, lambda x: x)
     if kind == "log_sum_exp":
