@@ -38,6 +38,29 @@ def test_input_shapes_option_fixes_a_dynamic_dim(mlp_model):
         package.session().run({"x": np.zeros((2, 8), np.float32)})
 
 
+def test_kernel_argument_checks_are_kept_only_when_asked_for(mlp_model):
+    """Without the checks (the default) the kernels hold no error messages; with them a kernel
+    called with a wrongly shaped tensor names the argument; both builds compute the same."""
+    import re
+
+    import tvm
+
+    x = np.random.default_rng(2).standard_normal((5, 8)).astype(np.float32)
+    outputs = {}
+    for checks in (False, True):
+        package = tightfit.compile(mlp_model, options=tightfit.PipelineOptions(kernel_argument_checks=checks))
+        outputs[checks] = package.session().run({"x": x})["y"]
+        library = package.executable.mod.imports[0]
+        code = library.inspect_source("ll")
+        assert ("when calling" in code) == checks
+    np.testing.assert_array_equal(outputs[False], outputs[True])
+    kernel = next(name for name in re.findall(r"define [^@]*@__tvm_ffi_(\w+)\(", code)
+                  if name.startswith("dense"))
+    wrong = [tvm.runtime.tensor(np.zeros((2, 2), np.float32)) for _ in range(3)]
+    with pytest.raises(ValueError, match=f"when calling:\\s+`{kernel}"):
+        library[kernel](*wrong)
+
+
 def test_saved_package_round_trips_weights_and_specs(mlp_package, tmp_path):
     mlp_package.save(tmp_path / "m.tfpkg")
     loaded = tightfit.load(tmp_path / "m.tfpkg")

@@ -52,6 +52,9 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR, numbered in order")
     compile_cmd.add_argument("--db", metavar="DIR", help="a tuning database (`tightfit tune --db DIR`) whose records "
                              "schedule the kernels they match")
+    compile_cmd.add_argument("--check-kernel-arguments", action="store_true",
+                             help="keep TVM's checks of each kernel's arguments (shapes, strides, alignment) "
+                             "as it is called: to debug a crash inside a model; slower to build and load")
     _add_knobs_option(compile_cmd)
     compile_cmd.set_defaults(handler=_compile)
 
@@ -213,7 +216,8 @@ def _compile(args) -> int:
 
     target = resolve_target(args.target)
     output = Path(args.output) if args.output else Path(args.model).with_suffix(".tfpkg")
-    options = PipelineOptions(tuning_database=args.db, knob_database=args.knobs)
+    options = PipelineOptions(tuning_database=args.db, knob_database=args.knobs,
+                              kernel_argument_checks=args.check_kernel_arguments)
     with tqdm(total=len(passes(target, options)) + 1, desc="compile", unit="pass",
               file=sys.stderr, disable=None) as progress:
         def advance(name: str) -> None:
