@@ -243,8 +243,9 @@ def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, 
     sch.reorder(n, row, column, k_outer, a, b, *([k_lane] if k_lane is not None else []))
     sch.compute_at(tiles, a)
     sch.compute_at(_transform_rows(sch, tiles), a)
+    below_row = 5  # the loop depth under n, row, column, k_outer and a
     for block in (tiles, _transform_rows(sch, tiles)):
-        _unroll_and_vectorize(sch, block, k_lane is not None)
+        _unroll_from(sch, block, below_row, k_lane is not None)
     sch.unroll(b)
     if k_lane is not None:
         sch.vectorize(k_lane)
@@ -260,15 +261,6 @@ def _transform_rows_extent(sch: s_tir.Schedule, tiles) -> int:
 def _transform_rows(sch: s_tir.Schedule, tiles):
     return next(block for block in sch.get_producers(tiles)
                 if sch.get(block).name_hint.endswith("_rows"))
-
-
-def _unroll_and_vectorize(sch: s_tir.Schedule, block, vectorize: bool) -> None:
-    """A computed-at stage: its last loop is the vector lanes, the ones above it unrolled."""
-    *outer, lane = sch.get_loops(block)[-2:]
-    for loop in outer:
-        sch.unroll(loop)
-    if vectorize:
-        sch.vectorize(lane)
 
 
 def _unroll_from(sch: s_tir.Schedule, block, depth: int, vectorize: bool) -> None:
