@@ -133,21 +133,28 @@ def test_im2col_is_chosen_for_strided_1x1_convs_where_it_measured_faster(channel
                   None).name == "im2col"
 
 
+def scheduled_over_a_symbolic_plane(channels: int, algorithm: str):
+    """The scheduled module of a 3x3 conv over a 1 x channels x h x w image, with `algorithm`."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((channels, channels, 3, 3))
+                                     .astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, None, None])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                                PipelineOptions(conv_algorithms=(algorithm,)),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    return scheduled
+
+
 def test_transforms_over_a_symbolic_plane_take_plain_tile_indices_and_channel_vectors():
     """24 channels over h x w: both transforms vectorize over 8-lane channel vectors (24 is no
     whole number of 16-lane ones, and LLVM left the loop scalar over a symbolic plane), and the
     input transform's tile row and column are loops of their own, not a division and remainder
     of one tile number by the symbolic tile count."""
-    rng = np.random.default_rng(0)
-    weight = numpy_helper.from_array(rng.standard_normal((24, 24, 3, 3)).astype(np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 24, "h", "w"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24, None, None])], [weight])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
-                                PipelineOptions(conv_algorithms=("winograd_f4",)),
-                                stop_after="tightfit.FallbackCPUSchedule")
+    scheduled = scheduled_over_a_symbolic_plane(24, "winograd_f4")
     scripts = {global_var.name_hint: func.script() for global_var, func in scheduled.functions.items()
                if "winograd" in global_var.name_hint}
     input_script = scripts["winograd_input"]
@@ -164,16 +171,7 @@ def test_the_input_transform_reads_each_input_vector_of_a_tile_once(algorithm, a
     the partial sums read only the window. Read per row xi instead (alpha times the reads, each
     indexing a buffer over the symbolic plane), TVM's lowering of an F(4x4) kernel took 2.4 s
     instead of 0.36 s."""
-    rng = np.random.default_rng(1)
-    weight = numpy_helper.from_array(rng.standard_normal((32, 32, 3, 3)).astype(np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, "h", "w"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, None, None])], [weight])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
-                                PipelineOptions(conv_algorithms=(algorithm,)),
-                                stop_after="tightfit.ScheduleKernels")
+    scheduled = scheduled_over_a_symbolic_plane(32, algorithm)
     script = scheduled["winograd_input"].script().split("version_1")[0]  # the parallel version
     reads = {name: set(re.findall(r"(\w+)\[", region)) for name, region in re.findall(
         r'T\.sblock\("(\w+)"\):.*?T\.reads\((.*?)\)\n', script, re.DOTALL)}
