@@ -209,7 +209,7 @@ def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, paralle
     sch.reorder(n, row, column, c_outer, xi, nu, *([c_lane] if c_lane is not None else []))
     partial = _transform_rows(sch, tiles)
     sch.compute_at(partial, c_outer)
-    below_channels = 4  # the loop depth under n, row, column and c_outer
+    below_channels = _depth_under(sch, partial, c_outer)
     partial_xi, partial_j = sch.get_loops(partial)[below_channels:below_channels + 2]
     sch.reorder(partial_j, partial_xi)
     window = sch.cache_read(partial, 0, "local")
@@ -243,7 +243,7 @@ def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, 
     sch.reorder(n, row, column, k_outer, a, b, *([k_lane] if k_lane is not None else []))
     sch.compute_at(tiles, a)
     sch.compute_at(_transform_rows(sch, tiles), a)
-    below_row = 5  # the loop depth under n, row, column, k_outer and a
+    below_row = _depth_under(sch, tiles, a)
     for block in (tiles, _transform_rows(sch, tiles)):
         _unroll_from(sch, block, below_row, k_lane is not None)
     sch.unroll(b)
@@ -261,6 +261,14 @@ def _transform_rows_extent(sch: s_tir.Schedule, tiles) -> int:
 def _transform_rows(sch: s_tir.Schedule, tiles):
     return next(block for block in sch.get_producers(tiles)
                 if sch.get(block).name_hint.endswith("_rows"))
+
+
+def _depth_under(sch: s_tir.Schedule, block, loop) -> int:
+    """The depth of `block`'s loops under `loop` (one of its loops): where the loops a stage
+    computed at `loop` begin."""
+    target = sch.get(loop)
+    return next(depth for depth, enclosing in enumerate(sch.get_loops(block), 1)
+                if sch.get(enclosing).same_as(target))
 
 
 def _unroll_from(sch: s_tir.Schedule, block, depth: int, vectorize: bool) -> None:

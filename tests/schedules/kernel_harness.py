@@ -11,7 +11,7 @@ import tvm
 from tvm import relax, tirx
 
 from tightfit.passes import SelectConvAlgorithm, SelectGemmKernel
-from tightfit.pipeline import BUILD_CONFIG
+from tightfit.pipeline import PipelineOptions, build_config
 from tightfit.schedules import FallbackCPUSchedule, ScheduleKernels
 from tightfit.target import resolve_target
 
@@ -44,7 +44,7 @@ def compile_with_kernels(mod: tvm.IRModule, target: tvm.target.Target = HOST,
               relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
               relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
               ScheduleKernels(knob_database), FallbackCPUSchedule(knob_database)]
-    with target, tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
+    with target, tvm.transform.PassContext(opt_level=3, config=build_config(PipelineOptions())):
         for compiler_pass in passes:
             mod = compiler_pass(mod)
         return mod, tvm.compile(mod, target)
