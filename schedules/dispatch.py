@@ -79,6 +79,10 @@ DEFAULT_MIN_PARALLEL_WORK = 1 << 17
 # 8.5 us serial) ran in parallel, and the model took 36 us; with them serial, 21-24 us.
 MAC_WORK_DIVISOR = 8
 
+# A block annotated so runs on the calling thread: it may raise an error through a callback
+# (frontend/ops_gather.py), and TVM's thread pool drops an error that a worker thread raises.
+SERIAL = "tightfit.serial"
+
 
 def parallel_buckets(work, min_parallel_work: int) -> list[tuple[bool, object]]:
     """[(parallel?, run-time condition or None for "otherwise")] for a kernel's loop work.
@@ -102,15 +106,17 @@ def parallel_buckets(work, min_parallel_work: int) -> list[tuple[bool, object]]:
 
 def loop_work(sch: s_tir.Schedule, mac_kernels: frozenset[str] = frozenset()):
     """Innermost iterations of the top-level loop nests of the function `sch` schedules, summed,
-    those of a block whose kernel kind is in `mac_kernels` divided by MAC_WORK_DIVISOR; None
-    when a loop extent depends on something other than the parameters' shapes (a
-    data-dependent loop)."""
+    those of a block whose kernel kind is in `mac_kernels` divided by MAC_WORK_DIVISOR, and
+    none of a SERIAL block, which never runs in parallel; None when a loop extent depends on
+    something other than the parameters' shapes (a data-dependent loop)."""
     func = sch.mod["main"]
     shape_vars = [var for param in func.params if hasattr(param, "shape")
                   for dim in param.shape for var in tirx.analysis.undefined_vars(dim)]
     shape_vars += [param for param in func.params if not hasattr(param, "shape")]
     total = tirx.const(0, "int64")
     for block in sch.get_child_blocks(sch.get_sblock("root")):
+        if SERIAL in sch.get(block).annotations:
+            continue
         nest = tirx.const(1, "int64")
         for loop in sch.get_loops(block):
             extent = sch.get(loop).extent

@@ -5,7 +5,7 @@ Every lowered PrimFunc that no specialized kernel (issue 5) claims gets this sch
    whole intermediate buffer. Padding and other injective producers are inlined into their
    consumers, elementwise epilogues into each other, until nothing more inlines. A block
    annotated MATERIALIZED (a gather's small index table, frontend/ops_pad.py) stays a buffer.
-2. Parallel loops. For each remaining top-level block, up to MAX_FUSED_LOOPS leading loops that
+2. Parallel loops. For each remaining top-level block not annotated SERIAL (dispatch.py), up to MAX_FUSED_LOOPS leading loops that
    only feed spatial (data-parallel) block iterators are fused and marked parallel; this works for
    symbolic extents. Fusing deeper would make every element pay integer divisions by symbolic
    extents to recover its indices, and parallelizing inner loops instead starts a parallel region
@@ -29,7 +29,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from .dispatch import DEFAULT_MIN_PARALLEL_WORK, join_versions, loop_work, parallel_buckets
+from .dispatch import DEFAULT_MIN_PARALLEL_WORK, SERIAL, join_versions, loop_work, parallel_buckets
 from .knob_database import KnobDatabase
 
 # A block annotated so stays a buffer: a small table (a gather's per-dim source indices) whose
@@ -78,7 +78,7 @@ def parallelize_outer_loops(schedule: s_tir.Schedule, skip: frozenset[str] = fro
     (blocks named in `skip` have their own schedule)."""
     root = schedule.get_sblock("root")
     for block in schedule.get_child_blocks(root):
-        if schedule.get(block).name_hint in skip:
+        if schedule.get(block).name_hint in skip or SERIAL in schedule.get(block).annotations:
             continue
         loops = schedule.get_loops(block)
         if any(_is_empty(schedule.get(loop).extent) for loop in loops):

@@ -24,6 +24,7 @@ from tvm import relax
 
 from .errors import InputError, TargetError
 from .frontend import TensorSpec
+from .frontend.ops_gather import INDEX_ERROR_FUNCTION
 
 
 class Session:
@@ -249,6 +250,18 @@ def _flatten(result, array_functions: tuple = _ARRAY_FUNCTIONS) -> list[tvm.runt
     for index in range(array_size(result)):
         values.extend(_flatten(array_get_item(result, index), array_functions))
     return values
+
+
+@tvm_ffi.register_global_func(INDEX_ERROR_FUNCTION)
+def _index_out_of_range(index: int, extent: int, where: str) -> None:
+    """What a compiled model calls on an index outside the dim it is into (ops_gather.py)."""
+    raise InputError(f"{where}: index {index} is out of range for a dim of {extent} (valid: "
+                     f"{-extent} to {extent - 1}); check the input it comes from (a token id "
+                     "past the vocabulary, a class id past the classes)")
+
+
+# so that the InputError above reaches the caller as itself, through the kernel and the VM
+tvm_ffi.register_error("InputError", InputError)
 
 
 def _show(shape) -> str:
