@@ -108,7 +108,10 @@ def default_tile_knobs(isa: VectorISA, columns: int, row_extent,
     whose weights have a fixed panel) the freed registers go to vectors, up to SKINNY_VECTORS:
     each is an independent chain of multiply-adds, and one row of two vectors waited on the FMA
     latency (MobileNetV2's 1280 -> 1000 classifier at batch 1: 183 -> 65 us with the panels
-    sharing the threads).
+    sharing the threads). A conv's fixed panels are read several at a time instead, as the
+    short tiles do (`chained_vectors`): ResNet-18 at a static 1x3x128x128 ran its 512 -> 512
+    3x3 convs at 4x4 in 4 x 1 tiles, 293 us each alone, where the same convs over a symbolic
+    plane took 184 us in 4 x 2 short tiles.
     """
     preferred = max(1, panel_width // isa.lanes) if panel_width else (4 if isa.lanes == 4 else 2)
     column_vectors = max(1, -(-columns // isa.lanes))
@@ -121,16 +124,15 @@ def default_tile_knobs(isa: VectorISA, columns: int, row_extent,
                       if isa.fits_registers(max(1, extent), v)]
             return TileKnobs(rows=max(1, extent), vectors=max(skinny, default=vectors))
         if extent < rows:
-            return TileKnobs(rows=max(1, extent), vectors=vectors)
+            rows = max(1, extent)
+            return TileKnobs(rows=rows, vectors=chained_vectors(rows, vectors, columns, isa))
         rows = min(range(max(1, rows // 2), rows + 1),
                    key=lambda r: (-(-extent // r) * tile_cost(r, vectors), -r))
     return TileKnobs(rows=rows, vectors=vectors)
 
 
 def short_tile_knobs(knobs: TileKnobs, columns, isa: VectorISA) -> TileKnobs:
-    """The SHORT_ROW_TILES tile: SHORT_TILE_ROWS rows, and vectors enough for SKINNY_VECTORS
-    independent multiply-add chains where the columns are a known whole number of such panels
-    (a direct conv's 16-wide weight panels are then read two at a time), else the tile's own.
+    """The SHORT_ROW_TILES tile: SHORT_TILE_ROWS rows, and `chained_vectors` across.
 
     One row at a time (SINGLE_ROW) a tile has only `vectors` chains and loads a vector of the
     weights per multiply-add, and a conv re-reads its weights from L2 for every pixel. ResNet-18's
@@ -139,11 +141,21 @@ def short_tile_knobs(knobs: TileKnobs, columns, isa: VectorISA) -> TileKnobs:
     4x4 output 1046-1184 -> 298-306 us (onnxruntime 297-338), 8x8 2000-4100 -> 1150-1170 us
     (1020-1030), 3x4 810-850 -> 244-272 us (241-260).
     """
-    vectors = max(knobs.vectors, -(-SKINNY_VECTORS // SHORT_TILE_ROWS))
-    if (not isinstance(columns, tirx.IntImm) or columns.value % (vectors * isa.lanes)
-            or not isa.fits_registers(SHORT_TILE_ROWS, vectors)):
-        vectors = knobs.vectors
-    return replace(knobs, rows=SHORT_TILE_ROWS, vectors=vectors)
+    return replace(knobs, rows=SHORT_TILE_ROWS,
+                   vectors=chained_vectors(SHORT_TILE_ROWS, knobs.vectors, columns, isa))
+
+
+def chained_vectors(rows: int, vectors: int, columns, isa: VectorISA) -> int:
+    """The most vectors, from `vectors` up to enough for a tile of `rows` rows to run
+    SKINNY_VECTORS independent multiply-add chains, that the registers hold and that divide
+    the columns, a known number, into whole panels (a direct conv's 16-wide weight panels are
+    then read several at a time); `vectors` where none does."""
+    if not isinstance(columns, (int, tirx.IntImm)):
+        return vectors
+    wanted = max(vectors, -(-SKINNY_VECTORS // rows))
+    return max((v for v in range(vectors, wanted + 1)
+                if int(columns) % (v * isa.lanes) == 0 and isa.fits_registers(rows, v)),
+               default=vectors)
 
 
 def weight_bytes(packed_weight, axes: int) -> int:

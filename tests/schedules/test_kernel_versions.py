@@ -306,6 +306,25 @@ def test_short_tiles_cover_a_narrow_map_once(knob_database):
         assert {int(analyzer.simplify(extent)) for extent in tile_loops} == {-(-out_width // short)}
 
 
+@pytest.mark.parametrize("width", [1, 4, 7])
+def test_a_narrow_static_map_reads_several_conv_panels_at_a_time(knob_database, width):
+    """A direct conv over a static map narrower than a tile: its rows are the tile's height and
+    its weight panels are read together, enough for register_tile.SKINNY_VECTORS independent
+    multiply-add chains where the output channels make that many panels (ResNet-18's 512 -> 512 3x3 convs at a static 4x4 ran 4 x 1 tiles:
+    293 -> 187 us each); the outputs still match onnxruntime."""
+    isa = isa_for_target(resolve_target("host").tvm_target)
+    knobs = default_tile_knobs(isa, 64, width, CONV_PANEL_WIDTH)
+    assert knobs.rows == width and isa.fits_registers(knobs.rows, knobs.vectors)
+    assert knobs.rows * knobs.vectors >= min(register_tile.SKINNY_VECTORS, width * 64 // isa.lanes)
+    assert 64 % (knobs.vectors * isa.lanes) == 0
+    model = conv_model(32, 64, groups=1, height=3)
+    model.graph.input[0].type.tensor_type.shape.dim[3].dim_value = width
+    options = PipelineOptions(knob_database=knob_database, conv_algorithms=("direct",))
+    feeds = {"x": _normal(1, 32, 3, width)}
+    np.testing.assert_allclose(tightfit.compile(model, options=options).session().run(feeds)["y"],
+                               run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel, stride", [(3, 1), (1, 1), (3, 2), (1, 2)])
 def test_width_vectors_conv_versions_match_onnxruntime_at_vector_edges(knob_database, kernel,
                                                                        stride):
