@@ -5,11 +5,12 @@ Every lowered PrimFunc that no specialized kernel (issue 5) claims gets this sch
    whole intermediate buffer. Padding and other injective producers are inlined into their
    consumers, elementwise epilogues into each other, until nothing more inlines. A block
    annotated MATERIALIZED (a gather's small index table, frontend/ops_pad.py) stays a buffer.
-2. Parallel loops. For each remaining top-level block not annotated SERIAL (dispatch.py), up to MAX_FUSED_LOOPS leading loops that
-   only feed spatial (data-parallel) block iterators are fused and marked parallel; this works for
-   symbolic extents. Fusing deeper would make every element pay integer divisions by symbolic
-   extents to recover its indices, and parallelizing inner loops instead starts a parallel region
-   per outer iteration (TVM-0.27-NOTES §5) — both measured slower.
+2. Parallel loops. For each remaining top-level block not annotated SERIAL (dispatch.py), up to
+   MAX_FUSED_LOOPS leading loops that only feed spatial (data-parallel) block iterators are fused
+   and marked parallel; this works for symbolic extents. Fusing deeper would make every element
+   pay integer divisions by symbolic extents to recover its indices, and parallelizing inner
+   loops instead starts a parallel region per outer iteration (TVM-0.27-NOTES §5) — both
+   measured slower.
 3. Serial and parallel versions. A function whose loop work may be below the parallel threshold
    (dispatch.parallel_buckets: waking the pool costs more than a small op's whole run) also
    gets a serial version, and an `if` on the work picks one at run time.

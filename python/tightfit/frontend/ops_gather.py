@@ -1,10 +1,10 @@
 """Gather, GatherElements, GatherND, ScatterElements and ScatterND with their indices checked.
 
 TVM 0.27's converters turn negative indices positive (ScatterElements' kernel does it itself)
-and hand them to `take`, `gather_elements`, `gather_nd`, `scatter_elements` or `scatter_nd`, whose kernels
-read or write wherever an index points: an index past the data read another tensor's memory or
-crashed the process (a token id past an embedding's vocabulary, a segfault), where onnxruntime
-raises. ONNX calls such an index an error.
+and hand them to `take`, `gather_elements`, `gather_nd`, `scatter_elements` or `scatter_nd`,
+whose kernels read or write wherever an index points: an index past the data read another
+tensor's memory or crashed the process (a token id past an embedding's vocabulary, a
+segfault), where onnxruntime raises. ONNX calls such an index an error.
 
 Here an index the model computes or takes as input goes through `checked_indices`: a stage that
 makes it non-negative and, for one outside [-dim, dim), calls INDEX_ERROR_FUNCTION, which raises
@@ -13,12 +13,12 @@ own negative-index stage (a `where`), so a model has no more kernels than before
 indices into a dim of static size are checked when the model is imported instead.
 
 The stage is a block of its own that the fallback schedule keeps as a buffer and runs serially
-(fallback_cpu.MATERIALIZED, dispatch.SERIAL): inlined, it would be checked again for every element read
-through it; in a parallel loop, TVM's thread pool dropped the error of an index in a worker
-thread's share (the kernel went on with garbage) and turned one in the calling thread's share
-into a RuntimeError ("Task 1 error: ..."). A package run where tightfit is not imported (a device
-running TVM's own RPC server) still stops on a bad index, with "Cannot find function
-tightfit.index_out_of_range", which names what happened.
+(fallback_cpu.MATERIALIZED, dispatch.SERIAL): inlined, it would be checked again for every
+element read through it; in a parallel loop, TVM's thread pool dropped the error of an index in
+a worker thread's share (the kernel went on with garbage) and turned one in the calling
+thread's share into a RuntimeError ("Task 1 error: ..."). A package run where tightfit is not
+imported (a device running TVM's own RPC server) still stops on a bad index, with "Cannot find
+function tightfit.index_out_of_range", which names what happened.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def checked_indices(bb: relax.BlockBuilder, data: relax.Expr, indices: relax.Exp
     One axis: every index is into it. Several (GatherND, ScatterND): an index's position along
     the last dim of `indices` says which of `axes` it is into. `where` names the node in the
     error."""
-    return bb.emit_te(_checked_indices, data, indices, axes, where, primfunc_name_hint="checked_indices")
+    return bb.emit_te(_checked_indices, data, indices, axes, where,
+                      primfunc_name_hint="checked_indices")
 
 
 def _checked_indices(data: te.Tensor, indices: te.Tensor, axes: list[int], where: str) -> te.Tensor:
@@ -66,7 +67,8 @@ def _checked_indices(data: te.Tensor, indices: te.Tensor, axes: list[int], where
             tirx.if_then_else(index < 0, index + extent, index),
             tirx.Cast(dtype, raised))
 
-    return te.compute(indices.shape, value, name="checked_indices", attrs={MATERIALIZED: 1, SERIAL: 1})
+    return te.compute(indices.shape, value, name="checked_indices",
+                      attrs={MATERIALIZED: 1, SERIAL: 1})
 
 
 def _prepared_indices(bb, data: relax.Expr, indices: relax.Expr, axes: list[int], op: str,
@@ -104,7 +106,8 @@ def _coordinate_axes(indices: relax.Expr, first_axis: int, op: str, attr: dict) 
     length = indices.ty.shape.values[-1] if indices.ty.shape is not None else None
     if not isinstance(length, tirx.IntImm):
         raise ConversionError(attr["tvm_custom"]["name"], op,
-                              "the last dim of its indices (the length of an index tuple) must be static")
+                              "the last dim of its indices (the length of an index tuple) must "
+                              "be static")
     return [first_axis + slot for slot in range(int(length))]
 
 
@@ -165,15 +168,18 @@ class ScatterND(onnx_frontend.ScatterND):
 
     @classmethod
     def _impl_v11(cls, bb, inputs, attr, params):
-        return super()._impl_v11(bb, _scatter_inputs(bb, inputs, attr, params, nd=True), attr, params)
+        checked = _scatter_inputs(bb, inputs, attr, params, nd=True)
+        return super()._impl_v11(bb, checked, attr, params)
 
     @classmethod
     def _impl_v16(cls, bb, inputs, attr, params):
-        return super()._impl_v16(bb, _scatter_inputs(bb, inputs, attr, params, nd=True), attr, params)
+        checked = _scatter_inputs(bb, inputs, attr, params, nd=True)
+        return super()._impl_v16(bb, checked, attr, params)
 
     @classmethod
     def _impl_v18(cls, bb, inputs, attr, params):
-        return super()._impl_v18(bb, _scatter_inputs(bb, inputs, attr, params, nd=True), attr, params)
+        checked = _scatter_inputs(bb, inputs, attr, params, nd=True)
+        return super()._impl_v18(bb, checked, attr, params)
 
 
 def _scatter_inputs(bb, inputs: list, attr: dict, params, nd: bool = False) -> list:
