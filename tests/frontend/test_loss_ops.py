@@ -5,6 +5,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import tightfit
+from tightfit.errors import InputError
 from tightfit.feeds import run_onnxruntime
 
 
@@ -44,3 +45,16 @@ def test_softmax_cross_entropy_returns_loss_and_log_probabilities(reduction):
     shape = [3, 2] if reduction == "none" else []
     check(loss_model("SoftmaxCrossEntropyLoss", True, [("loss", shape), ("log_prob", [3, 5, 2])],
                      reduction=reduction, ignore_index=-1))
+
+
+@pytest.mark.parametrize("op", ["NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss"])
+def test_a_target_outside_the_classes_raises_where_onnxruntime_does(op):
+    outputs = [("loss", [])] + ([("log_prob", [3, 5, 2])] if op == "SoftmaxCrossEntropyLoss" else [])
+    onnx_model = loss_model(op, True, outputs, reduction="mean", ignore_index=-1)
+    onnx_model.graph.node[0].name = "loss"
+    feeds = {"x": np.zeros((3, 5, 2), np.float32), "target": np.array([[0, 4], [2, -1], [5, 3]]),
+             "weight": np.ones(5, np.float32)}
+    with pytest.raises(Exception):  # onnxruntime's own error
+        run_onnxruntime(onnx_model, feeds)
+    with pytest.raises(InputError, match=f"{op} node loss: index 5 is out of range for a dim of 5"):
+        tightfit.compile(onnx_model).session().run(feeds)

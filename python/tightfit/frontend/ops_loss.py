@@ -4,7 +4,9 @@
 in models that report their own loss. Both pick, for every sample (and spatial position), the
 input at the target class along axis 1, weigh it by `weight[target]` (1 without weights) and by 0
 where the target is `ignore_index`, and reduce: none, sum, or mean = sum / total weight (so
-ignored positions do not count), as the ONNX specification states.
+ignored positions do not count), as the ONNX specification states. A target outside the
+classes (other than `ignore_index`) raises InputError when the model runs (ops_gather.py), where
+the kernels would read past the inputs.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
+from .ops_gather import checked_indices
+
 
 def _negative_log_likelihood(bb: relax.BlockBuilder, log_probabilities: relax.Expr,
-                             target: relax.Expr, weight: relax.Expr | None, attr: dict) -> relax.Expr:
+                             target: relax.Expr, weight: relax.Expr | None, attr: dict,
+                             op: str) -> relax.Expr:
     """The loss of `log_probabilities` (N, C, d1...) at `target` (N, d1...)."""
     dtype = str(log_probabilities.ty.dtype)
     ignore_index = attr.get("ignore_index")
@@ -25,6 +30,8 @@ def _negative_log_likelihood(bb: relax.BlockBuilder, log_probabilities: relax.Ex
         kept = bb.emit(relax.op.logical_not(ignored))
         # An ignored target may lie outside [0, C); read class 0 there, then weigh it by 0.
         target = bb.emit(relax.op.where(kept, target, relax.const(0, "int64")))
+    target = checked_indices(bb, log_probabilities, target, [1],
+                             f"{op} node {attr['tvm_custom']['name'] or '<unnamed>'}")
     picked = relax.op.gather_elements(log_probabilities, relax.op.expand_dims(target, 1), axis=1)
     loss = bb.emit(relax.op.negative(relax.op.squeeze(picked, [1])))
     if weight is None:
@@ -54,7 +61,8 @@ class NegativeLogLikelihoodLoss(onnx_frontend.OnnxOpConverter):
 
     @classmethod
     def _impl_v12(cls, bb, inputs, attr, params):
-        return _negative_log_likelihood(bb, inputs[0], inputs[1], _optional(inputs, 2), attr)
+        return _negative_log_likelihood(bb, inputs[0], inputs[1], _optional(inputs, 2), attr,
+                                        "NegativeLogLikelihoodLoss")
 
 
 class SoftmaxCrossEntropyLoss(onnx_frontend.OnnxOpConverter):
@@ -64,7 +72,8 @@ class SoftmaxCrossEntropyLoss(onnx_frontend.OnnxOpConverter):
     @classmethod
     def _impl_v12(cls, bb, inputs, attr, params):
         log_probabilities = bb.emit(relax.op.nn.log_softmax(inputs[0], axis=1))
-        loss = _negative_log_likelihood(bb, log_probabilities, inputs[1], _optional(inputs, 2), attr)
+        loss = _negative_log_likelihood(bb, log_probabilities, inputs[1], _optional(inputs, 2), attr,
+                                        "SoftmaxCrossEntropyLoss")
         return relax.Tuple([loss, log_probabilities])
 
 
