@@ -39,12 +39,13 @@ INDEX_ERROR_FUNCTION = "tightfit.index_out_of_range"
 
 
 def checked_indices(bb: relax.BlockBuilder, data: relax.Expr, indices: relax.Expr, axes: list[int],
-                    where: str) -> relax.Expr:
+                    op: str, attr: dict) -> relax.Expr:
     """`indices` into `data`'s `axes` made non-negative, each checked when the model runs.
 
     One axis: every index is into it. Several (GatherND, ScatterND): an index's position along
-    the last dim of `indices` says which of `axes` it is into. `where` names the node in the
-    error."""
+    the last dim of `indices` says which of `axes` it is into. The error names the node by its
+    `op` type and the converter's `attr`."""
+    where = f"{op} node {attr['tvm_custom']['name'] or '<unnamed>'}"
     return bb.emit_te(_checked_indices, data, indices, axes, where,
                       primfunc_name_hint="checked_indices")
 
@@ -75,11 +76,10 @@ def _prepared_indices(bb, data: relax.Expr, indices: relax.Expr, axes: list[int]
                       attr: dict, params) -> relax.Expr:
     """`indices` into `data`'s `axes`, non-negative: constant ones into dims of static size
     checked now (ConversionError for one out of range), any other by `checked_indices`."""
-    name = attr["tvm_custom"]["name"] or "<unnamed>"
     constant = get_constant(indices, params)
     sizes = _static_sizes(data, axes)
     if not isinstance(constant, tvm.ir.GenericConst) or sizes is None:
-        return checked_indices(bb, data, indices, axes, f"{op} node {name}")
+        return checked_indices(bb, data, indices, axes, op, attr)
     values = constant.value.numpy()
     # an index tuple's slots (the last dim) are into the axes in turn
     bounds = np.array(sizes if len(axes) > 1 else sizes[0], dtype=values.dtype)
@@ -87,8 +87,9 @@ def _prepared_indices(bb, data: relax.Expr, indices: relax.Expr, axes: list[int]
     if outside.any():
         at = tuple(np.argwhere(outside)[0])
         size = sizes[at[-1]] if len(axes) > 1 else sizes[0]
-        raise ConversionError(name, op, f"index {values[at]} is out of range for a dim of {size} "
-                                        f"(valid: {-size} to {size - 1})")
+        raise ConversionError(attr["tvm_custom"]["name"], op,
+                              f"index {values[at]} is out of range for a dim of {size} "
+                              f"(valid: {-size} to {size - 1})")
     return relax.const(np.where(values < 0, values + bounds, values), values.dtype)
 
 

@@ -30,8 +30,7 @@ def _negative_log_likelihood(bb: relax.BlockBuilder, log_probabilities: relax.Ex
         kept = bb.emit(relax.op.logical_not(ignored))
         # An ignored target may lie outside [0, C); read class 0 there, then weigh it by 0.
         target = bb.emit(relax.op.where(kept, target, relax.const(0, "int64")))
-    target = checked_indices(bb, log_probabilities, target, [1],
-                             f"{op} node {attr['tvm_custom']['name'] or '<unnamed>'}")
+    target = checked_indices(bb, log_probabilities, target, [1], op, attr)
     picked = relax.op.gather_elements(log_probabilities, relax.op.expand_dims(target, 1), axis=1)
     loss = bb.emit(relax.op.negative(relax.op.squeeze(picked, [1])))
     if weight is None:
@@ -72,8 +71,8 @@ class SoftmaxCrossEntropyLoss(onnx_frontend.OnnxOpConverter):
     @classmethod
     def _impl_v12(cls, bb, inputs, attr, params):
         log_probabilities = bb.emit(relax.op.nn.log_softmax(inputs[0], axis=1))
-        loss = _negative_log_likelihood(bb, log_probabilities, inputs[1], _optional(inputs, 2), attr,
-                                        "SoftmaxCrossEntropyLoss")
+        loss = _negative_log_likelihood(bb, log_probabilities, inputs[1], _optional(inputs, 2),
+                                        attr, "SoftmaxCrossEntropyLoss")
         return relax.Tuple([loss, log_probabilities])
 
 
