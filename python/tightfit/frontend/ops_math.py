@@ -5,10 +5,15 @@
   both operands to `power`, which wants one float type ("Binary operators must have the same
   datatype", "power only applies to float"). Here an integer power is computed in float64 (exact
   for every result an int64 can hold to 2**53) and cast back.
+- `BitShift`: TVM shifts by the amount as it is, and LLVM's shift by a negative amount or one
+  at least the type's width is undefined (the result changed with LLVM's optimizations). ONNX
+  (opset 28's cases) wants such a shift to move every bit out: 0, or the sign in each bit for a
+  right shift of a signed type. Here the amount is made in range and the result chosen.
 """
 
 from __future__ import annotations
 
+import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
@@ -34,4 +39,26 @@ class Pow(onnx_frontend.Pow):
         return relax.op.astype(power, base_type)
 
 
-CONVERTERS = {"Pow": Pow}
+class BitShift(onnx_frontend.BitShift):
+    """BitShift with ONNX's result for any shift amount, in range or not."""
+
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        value, amount = inputs
+        if not (_is_tensor(value) and _is_tensor(amount)):
+            return super()._impl_v11(bb, inputs, attr, params)
+        dtype = str(value.ty.dtype)
+        bits = tvm.DataType(dtype).bits
+        signed = dtype.startswith("int")
+        out_of_range = relax.op.greater_equal(amount, relax.const(bits, dtype))
+        if signed:
+            out_of_range = relax.op.logical_or(out_of_range, relax.op.less(amount, relax.const(0, dtype)))
+        in_range = relax.op.where(out_of_range, relax.const(bits - 1, dtype), amount)
+        right = attr.get("direction", b"LEFT").decode("ascii") == "RIGHT"
+        shifted = (relax.op.right_shift if right else relax.op.left_shift)(value, in_range)
+        if right and signed:  # a shift by bits - 1 fills every bit with the sign, as ONNX wants
+            return shifted
+        return relax.op.where(out_of_range, relax.const(0, dtype), shifted)
+
+
+CONVERTERS = {"Pow": Pow, "BitShift": BitShift}
