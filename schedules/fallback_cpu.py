@@ -121,7 +121,14 @@ def fuse_static_inner_loops(schedule: s_tir.Schedule) -> None:
     16 x 16 map) and then vectorizes the loop around it, with gathers and scatters at a
     stride of a row: an add of two 3 x 8 x 16 x 16 tensors took 4.5 us. Fused, the loop walks
     the trailing dims in memory order (the indices recovered from it by division by constants
-    simplify back to the flat offset), and LLVM vectorizes it contiguously."""
+    simplify back to the flat offset), and LLVM vectorizes it contiguously.
+
+    Only where the flat offset of every element the block reads is linear in those loops'
+    iterators: a gather's computed indices (a nearest-neighbour resize reads row h / 2) do not
+    simplify back, and each element then paid the divisions that recover its indices from the
+    fused loop. detector_fpn compiled for a static 1x3x32x48 fused its two
+    2x upsamplings and their concat into one such loop: 12.5 us, against 5.4 us for the same
+    three ops as kernels of their own over its symbolic plane."""
     root = schedule.get_sblock("root")
     for block in schedule.get_child_blocks(root):
         if _is_reduction(schedule, block):
@@ -129,8 +136,30 @@ def fuse_static_inner_loops(schedule: s_tir.Schedule) -> None:
         static_loops = _innermost_loops(schedule, block, lambda loop: (
             loop.kind == tirx.ForKind.SERIAL and isinstance(loop.extent, tirx.IntImm)))
         # an empty tensor: nothing runs, and fusing would divide by the zero extent
-        if len(static_loops) >= 2 and not any(_is_empty(schedule.get(loop).extent) for loop in static_loops):
+        if (len(static_loops) >= 2 and not any(_is_empty(schedule.get(loop).extent) for loop in static_loops)
+                and _reads_linearly(schedule, block, static_loops)):
             schedule.fuse(*static_loops)
+
+
+def _reads_linearly(schedule: s_tir.Schedule, block, loops: list) -> bool:
+    """Whether each element `block` reads is one known element (a region of one element: TVM
+    widens the region of a read whose indices it cannot analyze) whose flat offset is linear
+    in the iterators bound to `loops` (elementwise, broadcast, transposed, sliced and reshaped
+    reads are; a gather's computed indices are not)."""
+    loop_vars = {schedule.get(loop).loop_var for loop in loops}
+    realize = _get_sblock_realize(schedule, block)
+    inner = [iter_var.var for iter_var, binding in zip(realize.block.iter_vars, realize.iter_values)
+             if any(var in loop_vars for var in tirx.analysis.undefined_vars(binding))]
+    analyzer = tvm.sym.Analyzer()
+    for region in schedule.get(block).reads:
+        offset = tirx.const(0, "int64")
+        for span, extent in zip(region.region, region.source.shape):
+            if not analyzer.can_prove_equal(span.extent, 1):
+                return False
+            offset = offset * extent + span.min
+        if not tvm.sym.detect_linear_equation(analyzer.simplify(offset), inner):
+            return False
+    return True
 
 
 def _innermost_loops(schedule: s_tir.Schedule, block, qualifies) -> list:

@@ -38,6 +38,25 @@ def test_static_inner_dims_run_as_one_loop_and_match_numpy_in_both_versions():
     check()
 
 
+def test_a_gather_keeps_its_loop_nest_and_matches_numpy():
+    """A nearest-neighbour 2x upsampling concatenated with a map of its size reads rows h / 2:
+    no flat offset, so its static dims stay a nest (fused into one loop, each element paid the
+    divisions that recover its indices: detector_fpn's upsample-and-concat 12.5 -> 5.3 us)."""
+    mod = one_op_module(
+        [("small", [1, 8, 8, 12]), ("large", [1, 4, 16, 24])], [],
+        lambda builder, small, large: relax.op.concat(
+            [builder.emit(relax.op.image.resize2d(small, (16, 24), method="nearest_neighbor",
+                                                  coordinate_transformation_mode="asymmetric",
+                                                  rounding_method="floor")), large], axis=1))
+    scheduled, executable = compile_with_kernels(mod)
+    kernel = next(scheduled[gv].script() for gv in scheduled.functions if gv.name_hint != "main")
+    assert "T.int64(4608)" not in kernel and "T.int64(2304)" not in kernel, kernel
+    rng = np.random.default_rng(0)
+    small, large = rng.standard_normal((1, 8, 8, 12)).astype(np.float32), rng.standard_normal((1, 4, 16, 24)).astype(np.float32)
+    expected = np.concatenate([small.repeat(2, axis=2).repeat(2, axis=3), large], axis=1)
+    assert_close(run(executable, small, large), expected, "upsampled and concatenated")
+
+
 def test_an_empty_static_dim_compiles_and_gives_an_empty_result():
     # ONNX's CausalConvWithState with kernel size one slices a zero-width state this way
     mod = one_op_module([("x", dims("n", 16, 0))], [], lambda builder, x: relax.op.nn.relu(x))
