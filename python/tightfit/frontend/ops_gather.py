@@ -72,6 +72,16 @@ def _checked_indices(data: te.Tensor, indices: te.Tensor, axes: list[int], where
                       attrs={MATERIALIZED: 1, SERIAL: 1})
 
 
+def take_in_range(data: relax.Expr, indices: relax.Expr, axis: int) -> relax.Expr:
+    """`take` of indices that are in range: checked, made so, or so wherever the model's
+    inputs are valid (a run-time Split's sizes add up to its dim). Mode "clip", not TVM's
+    default "fast": fast makes the same assumption, but TVM logs "Fast mode segfaults when there
+    are out-of-bounds indices" for every such take it lowers (a transformer's user saw those
+    lines at each compile), and an index out of range after all reads the nearest element
+    rather than memory past the tensor. Clip costs a min and a max per index."""
+    return relax.op.take(data, indices, axis, mode="clip")
+
+
 def _prepared_indices(bb, data: relax.Expr, indices: relax.Expr, axes: list[int], op: str,
                       attr: dict, params) -> relax.Expr:
     """`indices` into `data`'s `axes`, non-negative: constant ones into dims of static size
@@ -123,10 +133,14 @@ class Gather(onnx_frontend.Gather):
             data = bb.normalize(relax.op.shape_to_tensor(data))  # the check stage takes tensors
         axis = attr.get("axis", 0) % (1 if isinstance(data, relax.ShapeExpr) else data.ty.ndim)
         indices = _prepared_indices(bb, data, indices, [axis], "Gather", attr, params)
-        if isinstance(indices, tvm.ir.GenericConst):
-            # TVM's converter folds constants and reads a dim of a shape value as a scalar
+        if isinstance(indices, tvm.ir.GenericConst) and (
+                isinstance(data, tvm.ir.GenericConst)
+                or isinstance(data, relax.ShapeExpr) and indices.data.numpy().ndim == 0):
+            # TVM's converter computes a constant, or reads a dim of a shape value as a scalar
             return super()._impl_v13(bb, [data, indices], attr, params)
-        return relax.op.take(data, indices, axis)
+        if isinstance(data, relax.ShapeExpr):
+            data = bb.normalize(relax.op.shape_to_tensor(data))
+        return take_in_range(data, indices, axis)
 
 
 class GatherElements(onnx_frontend.GatherElements):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from .ops_gather import checked_indices
+from .ops_gather import checked_indices, take_in_range
 
 
 def _negative_log_likelihood(bb: relax.BlockBuilder, log_probabilities: relax.Expr,
@@ -36,7 +36,7 @@ def _negative_log_likelihood(bb: relax.BlockBuilder, log_probabilities: relax.Ex
     if weight is None:
         weights = relax.op.ones_like(loss)
     else:
-        weights = relax.op.take(weight, target, axis=0)
+        weights = take_in_range(weight, target, 0)
     if kept is not None:
         weights = relax.op.multiply(weights, relax.op.astype(kept, dtype))
     weights = bb.emit(weights)

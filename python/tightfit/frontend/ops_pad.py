@@ -23,6 +23,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
 from ..schedules.fallback_cpu import MATERIALIZED
+from .ops_gather import take_in_range
 from .ops_shape import int64_tensor, named_dims, runtime_symbols
 
 _MODES = ("constant", "edge", "reflect", "wrap")
@@ -88,7 +89,7 @@ def _pad_at_runtime(bb: relax.BlockBuilder, data: relax.Expr, pads, axes, value,
     data = named_dims(bb, data, "padded_input_dim")
     # pads = [before of each axis..., after of each axis...]: the rank's count without axes
     pads = bb.emit(relax.op.reshape(int64_tensor(bb, pads), [2, -1 if axes is not None else rank]))
-    before, after = (bb.emit(relax.op.take(pads, _int64(row), axis=0)) for row in (0, 1))
+    before, after = (bb.emit(take_in_range(pads, _int64(row), 0)) for row in (0, 1))
     if axes is not None:  # pads of the other axes are 0
         axes = int64_tensor(bb, axes)
         axes = bb.emit(relax.op.where(relax.op.less(axes, _int64(0)), relax.op.add(axes, _int64(rank)), axes))

@@ -26,6 +26,7 @@ from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
+from .ops_gather import take_in_range
 from .ops_shape import is_runtime_tensor, named_dims, runtime_shape, runtime_symbols
 
 # Each reduction as (combine two values, value over the empty set of a dtype).
@@ -113,7 +114,7 @@ def _reduce_runtime_axes(bb: relax.BlockBuilder, data: relax.Expr, axes: relax.E
     remaining = rank - _static_length(axes)
     order = relax.op.add(relax.op.multiply(relax.op.astype(reduced, "int64"), relax.const(rank, "int64")), dims)
     kept = relax.op.strided_slice(relax.op.argsort(order, dtype="int64"), axes=[0], begin=[0], end=[remaining])
-    out_shape = bb.emit(relax.op.take(input_shape, kept, axis=0))
+    out_shape = bb.emit(take_in_range(input_shape, kept, 0))
     return named_dims(bb, bb.emit(relax.op.reshape(result, runtime_shape(bb, out_shape))), "kept_dim")
 
 

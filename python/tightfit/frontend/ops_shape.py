@@ -28,6 +28,7 @@ from tvm import relax, te, tirx, topi
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
+from .ops_gather import take_in_range
 from .shape_values import constant_value, known_ints, same_dims_as, shape_values
 
 # Slice bounds past this are "to the end": symbolic shape arithmetic on INT64_MAX overflows.
@@ -255,9 +256,9 @@ def _spread_symbolic_units(bb, data, output_dims: list) -> relax.Expr:
         if isinstance(dim, tirx.IntImm) or _ANALYZER.can_prove_equal(dim, output_dim):
             continue
         positions = relax.op.arange(tirx.IntImm("int64", 0), output_dim, tirx.IntImm("int64", 1), "int64")
-        length = relax.op.take(_shape_tensor(bb, data), _int64(axis), axis=0)
+        length = take_in_range(_shape_tensor(bb, data), _int64(axis), 0)
         indices = bb.emit(relax.op.floor_mod(positions, length))
-        data = bb.emit(relax.op.take(data, indices, axis=axis))
+        data = bb.emit(take_in_range(data, indices, axis))
     return data
 
 
@@ -444,7 +445,7 @@ class TopK(onnx_frontend.TopK):
             indices = bb.emit(relax.op.strided_slice(order, axes=[axis], begin=[0], end=[traced[0]]))
         else:
             first_k = runtime_arange(bb, relax.op.reshape(int64_tensor(bb, k), [1]), "topk_k")
-            indices = bb.emit(relax.op.take(order, first_k, axis=axis))
+            indices = bb.emit(take_in_range(order, first_k, axis))
         values = bb.emit(relax.op.gather_elements(data, indices, axis=axis))
         return relax.Tuple([values, indices])
 
@@ -603,7 +604,7 @@ def _runtime_output(bb, data, axes: list, scales, sizes, policy: str, output_dim
     if sizes is not None and policy == "stretch":
         shape = relax.op.scatter_elements(input_shape, axes_tensor, int64_tensor(bb, sizes))
     elif sizes is not None:
-        resized_lengths = relax.op.take(input_lengths, axes_tensor, axis=0)
+        resized_lengths = take_in_range(input_lengths, axes_tensor, 0)
         ratios = relax.op.divide(relax.op.astype(int64_tensor(bb, sizes), "float32"), resized_lengths)
         scale = relax.op.min(ratios) if policy == "not_larger" else relax.op.max(ratios)
         scaled = bb.emit(relax.op.multiply(resized_lengths, scale))

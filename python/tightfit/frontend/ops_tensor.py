@@ -14,6 +14,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
+from .ops_gather import take_in_range
 from .ops_shape import is_runtime_tensor, runtime_arange
 
 
@@ -41,10 +42,10 @@ class Split(onnx_frontend.Split):
         parts = []
         for part in range(outputs):
             index = relax.const(part, "int64")
-            length = relax.op.take(sizes, index, axis=0)
-            start = relax.op.subtract(relax.op.take(ends, index, axis=0), length)
+            length = take_in_range(sizes, index, 0)
+            start = relax.op.subtract(take_in_range(ends, index, 0), length)
             offsets = runtime_arange(bb, bb.emit(length), f"split{part}_")
-            parts.append(bb.emit(relax.op.take(data, relax.op.add(offsets, start), axis=axis)))
+            parts.append(bb.emit(take_in_range(data, relax.op.add(offsets, start), axis)))
         return relax.Tuple(parts)
 
 
