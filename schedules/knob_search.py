@@ -204,7 +204,7 @@ def prim_func_timer(func: tirx.PrimFunc, extents: dict[str, int], target, remote
     symbolic dims bound by name to `extents`, on random inputs (the kernel's speed does not
     depend on the values), on this machine or on the device behind `remote`; compiled once."""
     module = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
-    library, device = _on_device(tvm.compile(module, target=target.tvm_target), target, remote)
+    library, device = _on_device(tvm.compile(module, target=target.code_generation()), target, remote)
     analyzer = tvm.sym.Analyzer()
     for param in func.params:
         for dim in getattr(param, "shape", []):
@@ -279,7 +279,7 @@ def _elementwise_chain_seconds(target, work: int, parallel: bool, rows_reversed:
         if parallel:
             sch.parallel(row)
     library, device = _on_device(
-        tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target.tvm_target), target, remote)
+        tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=target.code_generation()), target, remote)
     arrays = [tvm.runtime.tensor(np.zeros(shape, "float32"), device) for _ in range(2)]
     timer = library.time_evaluator("main", device, number=NUMBER, repeat=REPEAT)
     return statistics.median(timer(*arrays).results)

@@ -1,28 +1,26 @@
-"""Code generation reassociates float additions only with fast_math, and never against the
-target's own setting; LLVM's SLP vectorizer is off unless the target asks for it."""
-
-from dataclasses import replace
+"""Code generation (CompileTarget.code_generation) reassociates float additions only with
+fast_math, and never against the target's own setting; LLVM's SLP vectorizer is off unless the
+target asks for it."""
 
 import numpy as np
 import pytest
 import tvm
 from tvm.script import tirx as T
 
-from tightfit.pipeline import PipelineOptions, codegen_target
 from tightfit.target import resolve_target
 
 SLP_OFF = "-vectorize-slp=false"
 
 
 def test_fast_math_lets_llvm_reassociate_float_additions():
-    target = codegen_target(resolve_target("host"), PipelineOptions())
+    target = resolve_target("host").code_generation()
     assert bool(target.attrs["fast-math-reassoc"])
     assert target.attrs["mcpu"] == resolve_target("host").tvm_target.attrs["mcpu"]
 
 
 def test_without_fast_math_nothing_is_reassociated_and_the_rest_of_the_target_is_kept():
     host = resolve_target("host")
-    target = codegen_target(host, replace(PipelineOptions(), fast_math=False))
+    target = host.code_generation(fast_math=False)
     assert "fast-math-reassoc" not in target.attrs
     assert list(target.attrs["cl-opt"]) == [SLP_OFF]
     assert target.attrs["mcpu"] == host.tvm_target.attrs["mcpu"]
@@ -32,14 +30,14 @@ def test_without_fast_math_nothing_is_reassociated_and_the_rest_of_the_target_is
 @pytest.mark.parametrize("setting", [False, True])
 def test_a_target_that_sets_reassociation_itself_keeps_its_setting(setting):
     target = resolve_target({"kind": "llvm", "fast-math-reassoc": setting})
-    assert bool(codegen_target(target, PipelineOptions()).attrs["fast-math-reassoc"]) is setting
+    assert bool(target.code_generation().attrs["fast-math-reassoc"]) is setting
 
 
 def test_a_target_that_sets_slp_itself_keeps_its_setting_and_other_options_are_kept():
     own = resolve_target({"kind": "llvm", "cl-opt": ["-vectorize-slp=true"]})
-    assert list(codegen_target(own, PipelineOptions()).attrs["cl-opt"]) == ["-vectorize-slp=true"]
+    assert list(own.code_generation().attrs["cl-opt"]) == ["-vectorize-slp=true"]
     other = resolve_target({"kind": "llvm", "cl-opt": ["-unroll-threshold=100"]})
-    assert list(codegen_target(other, PipelineOptions()).attrs["cl-opt"]) == ["-unroll-threshold=100", SLP_OFF]
+    assert list(other.code_generation().attrs["cl-opt"]) == ["-unroll-threshold=100", SLP_OFF]
 
 
 @T.prim_func(private=True, s_tir=True)
@@ -69,7 +67,7 @@ def causal_padding_mask(mask: T.Buffer((2, 1, 3, 6), "bool"), zero: T.Buffer((),
 def test_an_attention_mask_that_slp_miscompiled_for_avx512_is_computed_right():
     """With SLP on, LLVM 22 got element [1, 0, 0, 3] wrong (0 for -inf) on AVX-512 hosts
     (znver4/5, skylake-avx512); elsewhere the test passes either way."""
-    target = codegen_target(resolve_target("host"), PipelineOptions())
+    target = resolve_target("host").code_generation()
     with tvm.transform.PassContext(opt_level=3):
         library = tvm.compile(tvm.IRModule({"main": causal_padding_mask.with_attr("global_symbol", "main")}),
                               target=target)

@@ -17,7 +17,7 @@ from .frontend import import_onnx
 from .package import Package, SourceModel, load_package, read_manifest
 from .passes.launch_kernel_sequences import kernel_sequences
 from .passes.share_symbolic_storage import STORAGE_BYTES_ATTR
-from .pipeline import PipelineOptions, build_config, codegen_target, fresh_outputs, run_pipeline, split_weights
+from .pipeline import PipelineOptions, build_config, fresh_outputs, run_pipeline, split_weights
 from .target import resolve_target
 from .vm_code import build_executable
 
@@ -48,7 +48,7 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
     build_started = time.perf_counter()
     try:
         with tvm.transform.PassContext(opt_level=3, config=build_config(options)):
-            executable = build_executable(lowered, codegen_target(compile_target, options))
+            executable = build_executable(lowered, compile_target.code_generation(options.fast_math))
     except Exception as err:  # TVM's C++ errors
         raise CompilationError(f"code generation failed: {str(err).strip().splitlines()[-1]}") from err
     pass_times.append({"pass": "build", "seconds": round(time.perf_counter() - build_started, 4)})

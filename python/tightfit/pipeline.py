@@ -47,7 +47,7 @@ class PipelineOptions:
     # tightfit's kernels for conv and matmul (issue 5); off leaves them to TVM's legalization
     fast_kernels: bool = True
     # exp/erf/tanh/softmax as vectorizable polynomials (a few ulp) instead of libm calls, and
-    # float additions reassociated in code generation (codegen_target)
+    # float additions reassociated in code generation (CompileTarget.code_generation)
     fast_math: bool = True
     # the knob database measured by a knob search (None: $TIGHTFIT_KNOB_DATABASE, else defaults)
     knob_database: str | None = None
@@ -142,35 +142,6 @@ def build_config(options: PipelineOptions) -> dict:
     if options.kernel_argument_checks:
         return BUILD_CONFIG
     return {**BUILD_CONFIG, "tirx.disable_assert": True}
-
-
-def codegen_target(target: CompileTarget, options: PipelineOptions) -> tvm.target.Target:
-    """The target LLVM generates code for.
-
-    With `fast_math`, float additions may be reassociated (LLVM's `reassoc` flag), which lets
-    the loop vectorizer vectorize the reductions the fallback schedule leaves as loops: a global
-    average pool over 2 x 16 x 48 x 40 went from 49 to 12 us, softmax and layer-norm sums
-    vectorize too. Sums then differ from onnxruntime's in the last bits, as onnxruntime's own
-    vectorized sums do. A target that sets `fast-math-reassoc` itself is kept as it is.
-
-    LLVM's SLP vectorizer is off (`-vectorize-slp=false`; TVM scopes the option to this
-    target's code generation): with it, LLVM 22 computed an attention mask wrong for AVX-512
-    at optimization level 3 (tests/test_codegen_target.py). tightfit's hot kernels are
-    vectorized by their schedules, so SLP only reaches the scalar rest: every zoo model ran
-    within -3% to +4% of its time with SLP, 0.3% slower in the geomean (x86 with AVX-512; not
-    measured on Arm64). A target that names `vectorize-slp` in its `cl-opt` is kept as it is."""
-    tvm_target = target.tvm_target
-    if tvm_target.kind.name != "llvm":
-        return tvm_target
-    description = dict(tvm_target.export())
-    description.pop("tag", None)
-    description["keys"] = list(description["keys"])
-    if options.fast_math and "fast-math-reassoc" not in tvm_target.attrs:
-        description["fast-math-reassoc"] = True
-    llvm_options = [str(option) for option in tvm_target.attrs.get("cl-opt", [])]
-    if not any("vectorize-slp" in option for option in llvm_options):
-        description["cl-opt"] = [*llvm_options, "-vectorize-slp=false"]
-    return tvm.target.Target(description)
 
 
 def _apply_tuning_records(database: str, target: CompileTarget) -> tvm.transform.Pass:
