@@ -65,3 +65,25 @@ def test_runtime_axes_reduction_of_integers_matches_onnxruntime(op):
         feeds = {"x": np.arange(-3, 9, dtype=np.int64).reshape(3, 4),
                  "axes": np.array([axis], np.int64)}
         np.testing.assert_array_equal(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"])
+
+
+def test_axes_computed_from_static_shapes_reduce_as_constant_axes():
+    """RMSNormalization's function body, inlined: ReduceMean over Range(1, Size(Shape(x))),
+    then the divide by its root. The axes are traced to constants (Size of a Shape is the rank),
+    so the result keeps static dims and the divide broadcasts at compile time; as run-time axes
+    its dims were fresh symbols, and the divide by them could not be compiled."""
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Size", ["shape"], ["rank"]),
+             helper.make_node("Range", ["one", "rank", "one"], ["axes"]),
+             helper.make_node("Mul", ["x", "x"], ["squared"]),
+             helper.make_node("ReduceMean", ["squared", "axes"], ["mean"], keepdims=1),
+             helper.make_node("Sqrt", ["mean"], ["root"]),
+             helper.make_node("Div", ["x", "root"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "inlined_rms_norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor("one", TensorProto.INT64, [], [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.random.default_rng(0).uniform(0.5, 2.0, (2, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(tightfit.compile(model).session().run({"x": x})["y"],
+                               run_onnxruntime(model, {"x": x})["y"], rtol=1e-5, atol=1e-6)

@@ -22,12 +22,14 @@ from __future__ import annotations
 import functools
 import operator
 
+import numpy as np
 from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
 from .ops_gather import take_in_range
 from .ops_shape import is_runtime_tensor, named_dims, runtime_shape, runtime_symbols
+from .shape_values import constant_value, known_ints, shape_values
 
 # Each reduction as (combine two values, value over the empty set of a dtype).
 _SUM = (lambda x, y: x + y, lambda dtype: tirx.const(0, dtype))
@@ -131,6 +133,11 @@ def _runtime_axes_converter(base: type, kind: str, version: int) -> type:
 
     def convert(cls, bb, inputs, attr, params):
         axes = get_constant(inputs[1], params) if len(inputs) > 1 and inputs[1] is not None else None
+        traced = shape_values(bb, axes) if is_runtime_tensor(axes) else None
+        if known_ints(traced) and all(constant_value(axis) is not None for axis in traced):
+            # computed from static shapes (an inlined RMSNormalization's Range(axis, Size(Shape(x))))
+            axes = relax.const(np.array([constant_value(axis) for axis in traced], "int64"))
+            inputs = [inputs[0], axes, *inputs[2:]]
         if (is_runtime_tensor(axes) and axes.ty.shape is not None
                 and isinstance(axes.ty.shape.values[0], tirx.IntImm) and int(axes.ty.shape.values[0]) == 0):
             inputs = inputs[:1]  # no axes is known statically: ONNX's "all dims" or a no-op

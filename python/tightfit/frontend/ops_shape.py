@@ -325,17 +325,20 @@ class ConstantOfShape(onnx_frontend.ConstantOfShape):
 
 class Range(onnx_frontend.Range):
     """Range whose start, limit and delta are integers traced to shapes has a symbolic length,
-    ceil((limit - start) / delta), instead of an unknown one."""
+    ceil((limit - start) / delta), instead of an unknown one; traced to constants (an inlined
+    RMSNormalization's axes, Range(axis, Size(Shape(x)))), it is a constant."""
 
     @classmethod
     def _impl_v12(cls, bb, inputs, attr, params):
         traced = [shape_values(bb, get_constant(value, params)) for value in inputs]
         if all(known_ints(values) and len(values) == 1 for values in traced):
             start, limit, delta = (values[0] for values in traced)
-            if not all(constant_value(v) is not None for v in (start, limit, delta)):
-                dtype = _scalar_dtype(inputs[0])
-                arange = relax.op.arange(start, limit, delta, "int64")
-                return arange if dtype == "int64" else relax.op.astype(arange, dtype)
+            dtype = _scalar_dtype(inputs[0])
+            constants = [constant_value(v) for v in (start, limit, delta)]
+            if all(c is not None for c in constants):
+                return relax.const(np.arange(*constants).astype(dtype))
+            arange = relax.op.arange(start, limit, delta, "int64")
+            return arange if dtype == "int64" else relax.op.astype(arange, dtype)
         return named_dims(bb, super()._impl_v12(bb, inputs, attr, params), "range_dim")
 
 

@@ -16,6 +16,8 @@ element stays unknown they bind a fresh symbol checked at run time (`match_cast`
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tvm
 from tvm import relax, tirx
@@ -231,6 +233,15 @@ def _shape_of(bb, call, depth):
     return None
 
 
+def _size(bb, call, depth):
+    """The element count of a tensor of known shape: the product of its dims (ONNX's
+    LayerNormalization function, once inlined, takes the Size of a Shape: the rank)."""
+    ty = call.args[0].ty
+    if isinstance(ty, relax.TensorType) and ty.shape is not None:
+        return [math.prod(ty.shape.values, start=tirx.IntImm("int64", 1))]
+    return None
+
+
 def _concat(bb, call, depth):
     pieces = call.args[0]
     if not isinstance(pieces, relax.Tuple):
@@ -303,6 +314,7 @@ def _constant_int(element) -> int | None:
 _RULES = {
     "relax.shape_to_tensor": _shape_to_tensor,
     "relax.shape_of": _shape_of,
+    "relax.size": _size,
     "relax.astype": _unary(_astype),
     "relax.concat": _concat,
     "relax.reshape": _same_elements,
