@@ -25,7 +25,7 @@ class ConvTranspose(onnx_frontend.ConvTranspose):
     def _impl_v1(cls, bb, inputs, attr, params):
         if "output_shape" not in attr:
             return super()._impl_v1(bb, inputs, attr, params)
-        data, weight, bias = (list(inputs) + [None])[:3]
+        data, weight, bias = inputs[0], inputs[1], inputs[2]  # the importer pads with None
         spatial = data.ty.ndim - 2
         wanted = [int(size) for size in attr.pop("output_shape")][-spatial:]
         sizes = data.ty.shape.values[2:] if data.ty.shape is not None else None
