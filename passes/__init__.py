@@ -1,5 +1,6 @@
 """tightfit's Relax passes, one a file; the order they run in is python/tightfit/pipeline.py."""
 
+from .broadcast_at_run_time import BroadcastAtRunTime
 from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
 from .fold_constants_on_host import FoldConstantsOnHost
@@ -15,6 +16,7 @@ from .sink_into_branches import SinkIntoBranches
 from .use_fast_math import UseFastMath
 
 __all__ = [
+    "BroadcastAtRunTime",
     "ClassifyDynamism",
     "FoldBatchNorm",
     "FoldConstantsOnHost",

@@ -19,6 +19,7 @@ from tvm import relax
 
 from .errors import CompilationError
 from .passes import (
+    BroadcastAtRunTime,
     ClassifyDynamism,
     FoldBatchNorm,
     FoldConstantsOnHost,
@@ -76,6 +77,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.FoldConstant(),
         ClassifyDynamism(),
         RankDimensionPropagation(),
+        # an elementwise op whose shape RDP could not resolve is broadcast at run time
+        BroadcastAtRunTime(),
         # 2. kernels and weights: each conv's algorithm and each GEMM's packing chosen by cost
         #    (MNN pre-inference), then every weight transform computed once, offline (FlexNN)
         *([SelectConvAlgorithm(options.knob_database, algorithms=options.conv_algorithms),
