@@ -99,3 +99,25 @@ def test_the_array_of_the_last_run_is_checked_again_once_it_changes(mlp_package,
     x.shape = (6, 4)  # the same array, reshaped in place
     with pytest.raises(InputError, match="axis 1 is fixed at 8"):
         session.run({"x": x})
+
+
+def test_a_shape_returned_as_an_output_comes_back_as_int64_values():
+    """ONNX's Shape of an input is a shape value in the VM, not a tensor; Session.run read its
+    result as a tuple of tensors and raised a TypeError (11 onnx `test_shape*` cases)."""
+    from onnx import TensorProto, helper
+
+    import tightfit
+
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "w"])],
+        [helper.make_tensor_value_info("shape", TensorProto.INT64, [3]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3, "w"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = tightfit.compile(model).session()
+    for shape in [(2, 3, 5), (1, 3, 1)]:
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        result, expected = session.run({"x": x}), run_onnxruntime(model, {"x": x})
+        assert result["shape"].dtype == np.int64
+        np.testing.assert_array_equal(result["shape"], expected["shape"])
+        np.testing.assert_array_equal(result["y"], expected["y"])

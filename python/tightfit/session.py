@@ -239,12 +239,14 @@ _ARRAY_FUNCTIONS = tuple(tvm_ffi.get_global_func(name) for name in ARRAY_FUNCTIO
 
 
 def _flatten(result, array_functions: tuple = _ARRAY_FUNCTIONS) -> list[tvm.runtime.Tensor]:
-    """The tensors of a VM result (a tensor, or a tuple of them, nested), in order, a tuple
-    read with `array_functions` (ARRAY_FUNCTION_NAMES: a device's own for a result there, a
+    """The tensors of a VM result (a tensor, a shape value as an int64 tensor, or a tuple of
+    them, nested), in order, a tuple read with `array_functions` (ARRAY_FUNCTION_NAMES: a device's own for a result there, a
     handle to an array on it). A tuple is an FFI array whose iteration asks its length again for
     every element: two FFI calls, ~2.7 us per output; one call per element instead."""
     if isinstance(result, tvm.runtime.Tensor):
         return [result]
+    if isinstance(result, tvm_ffi.Shape):  # ONNX Shape's value as an output: no tensor of its own
+        return [tvm.runtime.tensor(np.array(result, dtype=np.int64))]
     array_size, array_get_item = array_functions
     values = []
     for index in range(array_size(result)):
