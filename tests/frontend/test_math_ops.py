@@ -1,15 +1,17 @@
 """Element-wise math where TVM's converters and ONNX disagree (ops_math.py): BitShift by any
 amount, against ONNX's rule that a shift by a negative amount or one of at least the type's
-width moves every bit out."""
+width moves every bit out; IsInf of one infinity only."""
 
 import functools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import helper
+from onnx import TensorProto, helper
 
 import tightfit
+from tightfit.feeds import run_onnxruntime
 
 DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 
@@ -58,3 +60,15 @@ def test_bitshift_by_any_amount_gives_onnx_result(case):
     expected = np.array([onnx_shift(int(a), int(b), dtype, direction) for a, b in zip(x, s)], dtype)
     assert result.dtype == expected.dtype
     np.testing.assert_array_equal(result, expected, err_msg=f"{dtype} {direction} x={x} s={s}")
+
+
+@pytest.mark.parametrize("negative, positive", [(1, 1), (1, 0), (0, 1), (0, 0)])
+def test_isinf_flags_the_infinities_its_attributes_ask_for(negative, positive):
+    graph = helper.make_graph(
+        [helper.make_node("IsInf", ["x"], ["y"], detect_negative=negative, detect_positive=positive)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.BOOL, ["n"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array([-np.inf, -1.0, 0.0, np.nan, 2.5, np.inf], np.float32)
+    np.testing.assert_array_equal(tightfit.compile(model).session().run({"x": x})["y"],
+                                  run_onnxruntime(model, {"x": x})["y"])

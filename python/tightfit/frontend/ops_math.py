@@ -9,6 +9,7 @@
   at least the type's width is undefined (the result changed with LLVM's optimizations). ONNX
   (opset 28's cases) wants such a shift to move every bit out: 0, or the sign in each bit for a
   right shift of a signed type. Here the amount is made in range and the result chosen.
+- `IsInf`: TVM ignores `detect_negative` and `detect_positive` and flags both infinities.
 """
 
 from __future__ import annotations
@@ -61,4 +62,21 @@ class BitShift(onnx_frontend.BitShift):
         return relax.op.where(out_of_range, relax.const(0, dtype), shifted)
 
 
-CONVERTERS = {"Pow": Pow, "BitShift": BitShift}
+
+class IsInf(onnx_frontend.IsInf):
+    """IsInf of the infinities its attributes ask for (both by default)."""
+
+    @classmethod
+    def _impl_v10(cls, bb, inputs, attr, params):
+        value = inputs[0]
+        infinite = relax.op.isinf(value)
+        negative, positive = attr.get("detect_negative", 1), attr.get("detect_positive", 1)
+        if negative and positive:
+            return infinite
+        if not (negative or positive):
+            return relax.op.zeros_like(infinite)
+        sign = (relax.op.less if negative else relax.op.greater)(value, relax.const(0, value.ty.dtype))
+        return relax.op.logical_and(infinite, sign)
+
+
+CONVERTERS = {"Pow": Pow, "BitShift": BitShift, "IsInf": IsInf}
