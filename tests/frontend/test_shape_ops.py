@@ -327,6 +327,21 @@ def test_resize_by_a_scale_that_does_not_divide_the_dim_maps_coordinates_with_th
     check(m, {"x": floats(1, 1, 5, 4)}, {"x": floats(1, 1, 7, 3)})
 
 
+@pytest.mark.parametrize("coordinates", ["half_pixel", "pytorch_half_pixel", "asymmetric",
+                                         "align_corners", "tf_half_pixel_for_nn"])
+@pytest.mark.parametrize("rounding", ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"])
+@pytest.mark.parametrize("dims", [[1, 1, 2, 2], [1, 1, "h", "w"]], ids=["static", "symbolic"])
+def test_nearest_resize_to_sizes_at_uneven_ratios_picks_onnxruntimes_pixels(coordinates, rounding, dims):
+    """2 -> 7 puts output row 3 exactly half-way (0.5): a multiply-add of TOPI's inverse scale
+    landed past it and picked row 1 (onnx's test_resize_upsample_sizes_nearest)."""
+    m = model([node("Resize", ["x", "", "", "sizes"], "y", mode="nearest",
+                    coordinate_transformation_mode=coordinates, nearest_mode=rounding)],
+              [value("x", FLOAT, dims)], [unknown("y", FLOAT, 4)], [const("sizes", [1, 1, 7, 8])])
+    x = np.arange(4, dtype=np.float32).reshape(1, 1, 2, 2)
+    feeds = [{"x": x}] if dims[2] == 2 else [{"x": x}, {"x": floats(1, 1, 3, 5)}, {"x": floats(1, 1, 5, 3)}]
+    check(m, *feeds)
+
+
 def test_resize_of_a_sequence_to_sizes_given_at_run_time():
     m = model([node("Resize", ["x", "", "", "sizes"], "y", mode="linear")],
               [value("x", FLOAT, [1, 2, 5]), value("sizes", INT64, [3])], [unknown("y", FLOAT, 3)])
