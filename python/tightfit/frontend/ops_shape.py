@@ -672,9 +672,11 @@ def _emit_resize(bb, data, output_dims: list, targets: list, runtime_targets, ro
                    for dim in output_dims]
         runtime_targets = None
     whole_targets = all(target is not None and str(target.ty.dtype).startswith("int") for target in targets)
-    if method == "nearest_neighbor" and coordinate_mode in _NEAREST_COORDINATES and all(
-            target is not None for target in targets) and not all(
-            _power_of_two_ratio(target, length) for target, length in zip(targets[2:], data.ty.shape.values[2:])):
+    spatial_lengths = data.ty.shape.values[2:]
+    if (method == "nearest_neighbor" and coordinate_mode in _NEAREST_COORDINATES
+            and all(target is not None for target in targets)
+            and not all(_power_of_two_ratio(target, length)
+                        for target, length in zip(targets[2:], spatial_lengths))):
         return bb.emit_te(_nearest_resize, data, output_dims, targets, coordinate_mode, rounding,
                           primfunc_name_hint="resize_nearest")
     if whole_targets and isinstance(roi, list) and spatial_rank in (2, 3):
