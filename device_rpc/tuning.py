@@ -39,6 +39,7 @@ from tvm.ir.utils import derived_object
 from tvm.support.popen_pool import PopenPoolExecutor
 
 from ..errors import DeviceError
+from ..target import code_generation_target
 from .tracker import TrackerAddress, devices_under, request
 
 UPLOAD_SLACK_S = 30.0
@@ -118,8 +119,8 @@ def tune(mod: tvm.IRModule, session: TuningSession, database_dir: str | Path, tr
             seed=seed)
     started = time.perf_counter()
     callback = RecordAndWatch(session, report, progress, started)
-    builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=session.build_timeout_s, f_build=_build,
-                                      f_export=_exporter(session.export_library))
+    builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=session.build_timeout_s,
+                                      f_build=build_candidate, f_export=_exporter(session.export_library))
     runner = ms.runner.RPCRunner(
         ms.runner.RPCConfig(session.tracker.host, session.tracker.port, session.key,
                             session_timeout_sec=int(session.session_timeout_s)),
@@ -170,12 +171,14 @@ def _create_session(rpc_config: ms.runner.RPCConfig):
     return request(tracker, rpc_config.tracker_key, rpc_config.session_timeout_sec)
 
 
-def _build(mod: tvm.IRModule, target: tvm.target.Target, _params) -> tvm.runtime.Module:
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params) -> tvm.runtime.Module:
     # MetaSchedule's default build imports every tensor intrinsic first (~10 s per worker, mostly
     # for GPUs); fp32 CPU kernels need none of them.
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
-    return tvm.compile(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+    # the candidate is timed as the compile will build it
+    return tvm.compile(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod),
+                       target=code_generation_target(target))
 
 
 def _exporter(export_library):

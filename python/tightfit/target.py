@@ -43,37 +43,41 @@ class CompileTarget:
         return not triple or triple.split("-")[0] == platform.machine()
 
     def code_generation(self, fast_math: bool = True) -> tvm.target.Target:
-        """The TVM target LLVM generates this target's code for.
+        """The TVM target LLVM generates this target's code for (`code_generation_target`)."""
+        return code_generation_target(self.tvm_target, fast_math)
 
-        With `fast_math` (PipelineOptions.fast_math), float additions may be reassociated
-        (LLVM's `reassoc` flag), which lets the loop vectorizer vectorize the reductions the
-        fallback schedule leaves as loops: a global average pool over 2 x 16 x 48 x 40 went
-        from 49 to 12 us, softmax and layer-norm sums vectorize too. Sums then differ from
-        onnxruntime's in the last bits, as onnxruntime's own vectorized sums do. A target that
-        sets `fast-math-reassoc` itself is kept as it is.
 
-        LLVM's SLP vectorizer is off (`-vectorize-slp=false`; TVM scopes the option to this
-        target's code generation): with it, LLVM 22 computed an attention mask wrong for
-        AVX-512 at optimization level 3 (tests/test_codegen_target.py). tightfit's hot kernels
-        are vectorized by their schedules, so SLP only reaches the scalar rest: every zoo model
-        ran within -3% to +4% of its time with SLP, 0.3% slower in the geomean (x86 with
-        AVX-512; not measured on Arm64). A target that names `vectorize-slp` in its `cl-opt`
-        is kept as it is.
+def code_generation_target(tvm_target: tvm.target.Target, fast_math: bool = True) -> tvm.target.Target:
+    """The TVM target LLVM generates `tvm_target`'s code for.
 
-        The compile and the knob search (which times kernels as they will run) both build
-        with it."""
-        tvm_target = self.tvm_target
-        if tvm_target.kind.name != "llvm":
-            return tvm_target
-        description = dict(tvm_target.export())
-        description.pop("tag", None)
-        description["keys"] = list(description["keys"])
-        if fast_math and "fast-math-reassoc" not in tvm_target.attrs:
-            description["fast-math-reassoc"] = True
-        llvm_options = [str(option) for option in tvm_target.attrs.get("cl-opt", [])]
-        if not any("vectorize-slp" in option for option in llvm_options):
-            description["cl-opt"] = [*llvm_options, "-vectorize-slp=false"]
-        return tvm.target.Target(description)
+    With `fast_math` (PipelineOptions.fast_math), float additions may be reassociated
+    (LLVM's `reassoc` flag), which lets the loop vectorizer vectorize the reductions the
+    fallback schedule leaves as loops: a global average pool over 2 x 16 x 48 x 40 went
+    from 49 to 12 us, softmax and layer-norm sums vectorize too. Sums then differ from
+    onnxruntime's in the last bits, as onnxruntime's own vectorized sums do. A target that
+    sets `fast-math-reassoc` itself is kept as it is.
+
+    LLVM's SLP vectorizer is off (`-vectorize-slp=false`; TVM scopes the option to this
+    target's code generation): with it, LLVM 22 computed an attention mask wrong for
+    AVX-512 at optimization level 3 (tests/test_codegen_target.py). tightfit's hot kernels
+    are vectorized by their schedules, so SLP only reaches the scalar rest: every zoo model
+    ran within -3% to +4% of its time with SLP, 0.3% slower in the geomean (x86 with
+    AVX-512; not measured on Arm64). A target that names `vectorize-slp` in its `cl-opt`
+    is kept as it is.
+
+    The compile, the knob search and MetaSchedule tuning (both time kernels as they will
+    run) build with it."""
+    if tvm_target.kind.name != "llvm":
+        return tvm_target
+    description = dict(tvm_target.export())
+    description.pop("tag", None)
+    description["keys"] = list(description["keys"])
+    if fast_math and "fast-math-reassoc" not in tvm_target.attrs:
+        description["fast-math-reassoc"] = True
+    llvm_options = [str(option) for option in tvm_target.attrs.get("cl-opt", [])]
+    if not any("vectorize-slp" in option for option in llvm_options):
+        description["cl-opt"] = [*llvm_options, "-vectorize-slp=false"]
+    return tvm.target.Target(description)
 
 
 def host_thread_count() -> int:
