@@ -1,22 +1,28 @@
-"""Split by sizes given at run time or into uneven parts, and Constant's scalar and list forms,
+"""Split by sizes given at run time, computed from shapes, or into uneven parts, and Constant's scalar and list forms,
 compared with onnxruntime."""
 
 import numpy as np
 import pytest
+import tvm
 from onnx import TensorProto, helper
 
 import tightfit
+from tightfit.frontend import import_onnx
 from tightfit.feeds import run_onnxruntime
 
 
 def check(nodes, inputs, outputs, feeds, opset=18):
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(*spec) for spec in inputs],
-                              [helper.make_tensor_value_info(*spec) for spec in outputs])
-    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    onnx_model = make_model(nodes, inputs, outputs, opset)
     ours = tightfit.compile(onnx_model).session().run(feeds)
     for name, expected in run_onnxruntime(onnx_model, feeds).items():
         assert ours[name].dtype == expected.dtype, name
         np.testing.assert_array_equal(ours[name], expected, err_msg=name)
+
+
+def make_model(nodes, inputs, outputs, opset=18):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(*spec) for spec in inputs],
+                              [helper.make_tensor_value_info(*spec) for spec in outputs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -28,6 +34,25 @@ def test_split_by_sizes_given_at_run_time(sizes):
           [("x", F, [2, 6]), ("sizes", I64, [3])],
           [("a", F, [2, None]), ("b", F, [2, None]), ("c", F, [2, None])],
           {"x": np.arange(12, dtype=np.float32).reshape(2, 6), "sizes": np.array(sizes, np.int64)})
+
+
+@pytest.mark.parametrize("width", [7, 8])
+def test_split_by_sizes_computed_from_the_input_shape_keeps_lengths_known(width):
+    """Sizes computed from Shape (the RotaryEmbedding function's split of the head size) give
+    parts whose lengths are expressions of the input's dims, not symbols bound at run time."""
+    nodes = [helper.make_node("Shape", ["x"], ["width"], start=1, end=2),
+             helper.make_node("Constant", [], ["two"], value_ints=[2]),
+             helper.make_node("Div", ["width", "two"], ["half"]),
+             helper.make_node("Sub", ["width", "half"], ["rest"]),
+             helper.make_node("Concat", ["half", "rest"], ["sizes"], axis=0),
+             helper.make_node("Split", ["x", "sizes"], ["a", "b"], axis=1)]
+    inputs, outputs = [("x", F, ["batch", "w"])], [("a", F, ["batch", None]), ("b", F, ["batch", None])]
+    check(nodes, inputs, outputs, {"x": np.arange(2 * width, dtype=np.float32).reshape(2, width)})
+    main = import_onnx(make_model(nodes, inputs, outputs)).mod["main"]
+    at_width = tvm.sym.Analyzer()
+    at_width.bind(main.params[0].ty.shape.values[1], width)
+    lengths = [at_width.simplify(part.shape.values[1]) for part in main.ret_ty.fields]
+    assert [int(length) for length in lengths] == [width // 2, width - width // 2]
 
 
 def test_split_into_uneven_parts():

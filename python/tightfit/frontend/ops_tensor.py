@@ -1,9 +1,11 @@
 """Tensor-manipulation ops whose TVM 0.27 converters stop short of the ONNX specification.
 
-- `Split` with its sizes given as a tensor computed at run time (opset 13+; TVM: "Dynamic Split
+- `Split` with its sizes given as a tensor computed in the graph (opset 13+; TVM: "Dynamic Split
   not yet supported"). ONNX's RotaryEmbedding function body and exporters that split by a
-  computed head size produce them. Each output is a `take` of offset + arange(size) along the
-  axis, so its length along the axis is a fresh symbol bound at run time.
+  computed head size produce them. Sizes traced to the input's dims (shape_values: the head
+  size from Shape, minus the rotated part) make each output a strided slice whose length is
+  known when compiling; sizes known only at run time make it a `take` of offset + arange(size)
+  along the axis, its length a fresh symbol bound at run time.
 - `Split` into `num_outputs` parts that do not divide the axis (opset 18): every part but the
   last has ceil(dim / num_outputs) elements; TVM asks for equal parts.
 """
@@ -16,6 +18,7 @@ from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
 from .ops_gather import take_in_range
 from .ops_shape import is_runtime_tensor, runtime_arange
+from .shape_values import shape_values
 
 
 class Split(onnx_frontend.Split):
@@ -27,6 +30,9 @@ class Split(onnx_frontend.Split):
         sizes = get_constant(inputs[1], params) if len(inputs) > 1 and inputs[1] is not None else None
         axis = attr.get("axis", 0) % data.ty.ndim
         if is_runtime_tensor(sizes) and sizes.ty.ndim == 1:
+            traced = shape_values(bb, sizes)
+            if traced is not None and all(size is not None for size in traced):
+                return cls._split_by_traced_sizes(bb, data, traced, axis)
             return cls._split_at_run_time(bb, data, sizes, axis, attr["tvm_custom"]["num_outputs"])
         parts = attr.get("num_outputs")
         dim = data.ty.shape.values[axis] if data.ty.shape is not None else None
@@ -34,6 +40,15 @@ class Split(onnx_frontend.Split):
             chunk = -(-int(dim) // parts)
             return relax.op.split(data, [chunk * (part + 1) for part in range(parts - 1)], axis)
         return super()._impl_v13(bb, inputs, attr, params)
+
+    @staticmethod
+    def _split_by_traced_sizes(bb, data, sizes: list, axis: int) -> relax.Tuple:
+        parts, start = [], tirx.const(0, "int64")
+        for size in sizes:
+            end = start + size
+            parts.append(bb.emit(relax.op.strided_slice(data, axes=[axis], begin=[start], end=[end])))
+            start = end
+        return relax.Tuple(parts)
 
     @staticmethod
     def _split_at_run_time(bb, data, sizes, axis: int, outputs: int) -> relax.Tuple:
