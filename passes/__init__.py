@@ -3,6 +3,7 @@
 from .broadcast_at_run_time import BroadcastAtRunTime
 from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
+from .fold_constant_calls import FoldConstantCalls
 from .fold_constants_on_host import FoldConstantsOnHost
 from .keep_reshapes_as_views import KeepReshapesAsViews, legalize_views
 from .launch_kernel_sequences import LaunchKernelSequences
@@ -19,6 +20,7 @@ __all__ = [
     "BroadcastAtRunTime",
     "ClassifyDynamism",
     "FoldBatchNorm",
+    "FoldConstantCalls",
     "FoldConstantsOnHost",
     "KeepReshapesAsViews",
     "LaunchKernelSequences",

@@ -56,7 +56,8 @@ class _Broadcaster(relax.PyExprMutator):
         for operand in call.args:
             dims = emit(relax.op.shape_to_tensor(relax.op.shape_of(operand)))
             if operand.ty.ndim < rank:
-                ones = relax.const(np.ones(rank - operand.ty.ndim, np.int64))
+                # relax.const makes an int64 array int32 unless told
+                ones = relax.const(np.ones(rank - operand.ty.ndim, np.int64), "int64")
                 dims = emit(relax.op.concat([ones, dims], axis=0))
             shape = dims if shape is None else emit(
                 relax.op.where(relax.op.equal(shape, relax.const(1, "int64")), dims, shape))

@@ -22,6 +22,7 @@ from .passes import (
     BroadcastAtRunTime,
     ClassifyDynamism,
     FoldBatchNorm,
+    FoldConstantCalls,
     FoldConstantsOnHost,
     KeepReshapesAsViews,
     LaunchKernelSequences,
@@ -74,7 +75,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         # constants folded with numpy where it computes what the kernel would; the rest by TVM,
         # which compiles each call (tens of ms apiece)
         FoldConstantsOnHost(),
-        relax.transform.FoldConstant(),
+        FoldConstantCalls(),
         ClassifyDynamism(),
         RankDimensionPropagation(),
         # an elementwise op whose shape RDP could not resolve is broadcast at run time
@@ -93,7 +94,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.backend.DispatchSortScan(),
         relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool()}),
         relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FoldConstant(),
+        FoldConstantCalls(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         # a reshape kernel that fusion left alone becomes a view (the VM's reshape), before it is

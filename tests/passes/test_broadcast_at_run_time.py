@@ -50,3 +50,25 @@ def test_broadcasts_rdp_resolves_keep_the_plain_op(name):
     passed, _ = run_pipeline(mod, resolve_target("host"), PipelineOptions(),
                              stop_after="tightfit.BroadcastAtRunTime")
     assert not [gv.name_hint for gv in passed.functions if "broadcast_at_run_time" in gv.name_hint]
+
+
+def test_an_operand_of_lower_rank_broadcasts_at_run_time():
+    """mean(x over the axes fed, keepdims) + bias[4]: the bias, one dim short, is broadcast
+    against dims only the run decides."""
+    nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["mean"], keepdims=1),
+             helper.make_node("Add", ["mean", "bias"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "biased_mean_over_runtime_axes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4]),
+         helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])],
+        [helper.make_tensor("bias", TensorProto.FLOAT, [4], [0.5, -1.0, 2.0, 3.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    session = tightfit.compile(model).session()
+    x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    for axis in (0, 1):
+        feeds = {"x": x, "axes": np.array([axis])}
+        expected = run_onnxruntime(model, feeds)["y"]
+        ours = session.run(feeds)["y"]
+        assert ours.shape == expected.shape
+        np.testing.assert_allclose(ours, expected, rtol=1e-6, err_msg=f"along {axis}")

@@ -145,12 +145,35 @@ def import_onnx(model: str | Path | onnx.ModelProto,
         sanitize=True,
     )
     importer.expected_dtypes = inferred_dtypes(proto)
-    mod = importer.from_onnx(proto.graph, _default_opset(proto))
+    mod = _bind_match_cast_values(importer.from_onnx(proto.graph, _default_opset(proto)))
     # Views of the importer's TVM tensors: the weights are not copied again.
     weights = {name: np.from_dlpack(value) for name, (_, value) in importer._params.items()}
     mod, weights = _bind_small_weights(mod, weights)
     outputs = [_tensor_spec(value_info) for value_info in proto.graph.output]
     return ImportedModel(mod, weights, inputs, outputs, proto)
+
+
+@relax.expr_functor.mutator
+class _MatchCastValueBinder(relax.PyExprMutator):
+    def visit_match_cast_(self, binding: relax.MatchCast) -> None:
+        value = self.visit_expr(binding.value)
+        if isinstance(value, relax.Call):
+            value = self.builder_.emit(value)
+        self.builder_.emit_normalized(relax.MatchCast(binding.var, value, binding.ty))
+
+
+def _bind_match_cast_values(mod: tvm.IRModule) -> tvm.IRModule:
+    """Bind each call that a `match_cast` casts to a variable of its own.
+
+    Converters, TVM's and tightfit's, cast calls as they make them
+    (`bb.match_cast(relax.op.nonzero(x), ...)`), and the block builder leaves the call nested in
+    the cast; the passes read every call from a binding of its own (RDP, the dynamism classes,
+    NonZero's lowering)."""
+    binder = _MatchCastValueBinder(mod)
+    for global_var, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            binder.builder_.update_func(global_var, binder.visit_expr(func))
+    return binder.builder_.get()
 
 
 def _bind_small_weights(mod: tvm.IRModule, weights: dict[str, np.ndarray]):
