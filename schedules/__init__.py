@@ -2,6 +2,7 @@
 
 from .fallback_cpu import FallbackCPUSchedule
 from .pool_kernels import legalize_max_pool
+from .reduce_extrema import legalize_float_extrema
 from .schedule_kernels import ScheduleKernels
 
-__all__ = ["FallbackCPUSchedule", "ScheduleKernels", "legalize_max_pool"]
+__all__ = ["FallbackCPUSchedule", "ScheduleKernels", "legalize_float_extrema", "legalize_max_pool"]

@@ -36,7 +36,7 @@ from .passes import (
     UseFastMath,
     legalize_views,
 )
-from .schedules import FallbackCPUSchedule, ScheduleKernels, legalize_max_pool
+from .schedules import FallbackCPUSchedule, ScheduleKernels, legalize_float_extrema, legalize_max_pool
 from .weight_file import WeightTensor
 from .target import CompileTarget
 
@@ -92,7 +92,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         LowerNonZero(),
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
-        relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool()}),
+        relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool(),
+                                     **legalize_float_extrema()}),
         relax.transform.AnnotateTIROpPattern(),
         FoldConstantCalls(),
         relax.transform.FuseOps(),
