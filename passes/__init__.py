@@ -14,6 +14,7 @@ from .select_conv_algorithm import SelectConvAlgorithm
 from .select_gemm_kernel import SelectGemmKernel
 from .share_symbolic_storage import ShareSymbolicStorage
 from .sink_into_branches import SinkIntoBranches
+from .split_blocks_where_dims_are_bound import SplitBlocksWhereDimsAreBound
 from .use_fast_math import UseFastMath
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "SelectGemmKernel",
     "ShareSymbolicStorage",
     "SinkIntoBranches",
+    "SplitBlocksWhereDimsAreBound",
     "UseFastMath",
     "legalize_views",
 ]

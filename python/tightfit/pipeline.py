@@ -33,6 +33,7 @@ from .passes import (
     SelectGemmKernel,
     ShareSymbolicStorage,
     SinkIntoBranches,
+    SplitBlocksWhereDimsAreBound,
     UseFastMath,
     legalize_views,
 )
@@ -96,6 +97,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
                                      **legalize_float_extrema()}),
         relax.transform.AnnotateTIROpPattern(),
         FoldConstantCalls(),
+        # a kernel that computes a dim is not fused with one that uses it
+        SplitBlocksWhereDimsAreBound(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         # a reshape kernel that fusion left alone becomes a view (the VM's reshape), before it is
