@@ -203,14 +203,19 @@ def _inline_injective_blocks(schedule: s_tir.Schedule) -> None:
     its bounds check once per multiply-add instead of once per element (measured 2x slower).
     A block annotated MATERIALIZED is not inlined, nor its consumers into it.
     The schedule primitives check legality themselves (an output block, a reduction or a
-    non-injective access is refused with a ScheduleError), so trying is the test.
+    non-injective access is refused with a ScheduleError), so trying is the test, except for
+    what they cannot see: a block whose buffer an opaque block (TOPI's IR-builder kernels,
+    which declare no reads and writes) reads or writes stays, as NonMaxSuppression's sorted
+    scores, which its loop overwrites.
     """
     changed = True
     while changed:
         changed = False
         root = schedule.get_sblock("root")
+        opaque = _opaquely_accessed(schedule, root)
         for block in schedule.get_child_blocks(root):
-            if _materialized(schedule, block):
+            if _materialized(schedule, block) or any(
+                    region.source.same_as(var) for region in schedule.get(block).writes for var in opaque):
                 continue
             inlines = []
             if not any(_is_reduction(schedule, consumer) for consumer in schedule.get_consumers(block)):
@@ -226,6 +231,17 @@ def _inline_injective_blocks(schedule: s_tir.Schedule) -> None:
                 break
             if changed:
                 break
+
+
+def _opaquely_accessed(schedule: s_tir.Schedule, root) -> list:
+    """The buffers the root's opaque blocks use (a list: a TIR variable's
+    `==` builds an expression)."""
+    used = []
+    for block in schedule.get_child_blocks(root):
+        stmt = schedule.get(block)
+        if not stmt.reads and not stmt.writes:
+            used.extend(tirx.analysis.undefined_vars(stmt.body))
+    return used
 
 
 def _materialized(schedule: s_tir.Schedule, block) -> bool:

@@ -10,11 +10,11 @@ TVM 0.27 does wrong and which models need the fix.
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from . import ops_attention, ops_constant, ops_loss, ops_normalization, ops_reduce, ops_shape, ops_tensor
-from . import ops_conv, ops_gather, ops_math, ops_pad
+from . import ops_conv, ops_detection, ops_gather, ops_math, ops_pad
 
 CONVERTER_MODULES = [ops_shape, ops_reduce, ops_attention, ops_loss, ops_constant, ops_normalization,
                      ops_tensor]
-CONVERTER_MODULES += [ops_pad, ops_math, ops_gather, ops_conv]
+CONVERTER_MODULES += [ops_pad, ops_math, ops_gather, ops_conv, ops_detection]
 
 CONVERTERS: dict[str, type[OnnxOpConverter]] = {}
 for _module in CONVERTER_MODULES:
