@@ -1,5 +1,6 @@
-"""Split by sizes given at run time, computed from shapes, or into uneven parts, and Constant's scalar and list forms,
-compared with onnxruntime."""
+"""Split by sizes given at run time, computed from shapes, or into uneven parts, EyeLike of
+another type than its input, Trilu by an offset given at run time, and Constant's scalar and
+list forms, compared with onnxruntime."""
 
 import numpy as np
 import pytest
@@ -71,3 +72,23 @@ def test_constant_scalar_and_list_forms():
              helper.make_node("Add", ["is", "i"], ["z"])]
     check(nodes, [("x", F, [3])], [("y", F, [3]), ("z", I64, [3])],
           {"x": np.array([1, 2, 3], np.float32)})
+
+
+@pytest.mark.parametrize("dtype,k", [(TensorProto.FLOAT, 0), (TensorProto.DOUBLE, 1), (TensorProto.INT64, -2)])
+def test_eye_like_makes_the_dtype_attribute_s_type(dtype, k):
+    check([helper.make_node("EyeLike", ["x"], ["y"], dtype=dtype, k=k)],
+          [("x", TensorProto.INT32, [3, 5])], [("y", dtype, [3, 5])],
+          {"x": np.zeros((3, 5), np.int32)})
+
+
+@pytest.mark.parametrize("upper", [0, 1])
+def test_trilu_by_an_offset_given_at_run_time(upper):
+    nodes = [helper.make_node("Trilu", ["x", "k"], ["y"], upper=upper)]
+    inputs, outputs = [("x", I64, ["b", "n", "m"]), ("k", I64, [])], [("y", I64, ["b", "n", "m"])]
+    session = tightfit.compile(make_model(nodes, inputs, outputs)).session()
+    for shape in [(2, 4, 5), (1, 6, 3), (3, 0, 5)]:
+        x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) + 1
+        for k in (-7, -2, 0, 1, 6):
+            feeds = {"x": x, "k": np.array(k, np.int64)}
+            expected = run_onnxruntime(make_model(nodes, inputs, outputs), feeds)["y"]
+            np.testing.assert_array_equal(session.run(feeds)["y"], expected, err_msg=f"{shape} k={k}")

@@ -8,13 +8,19 @@
   along the axis, its length a fresh symbol bound at run time.
 - `Split` into `num_outputs` parts that do not divide the axis (opset 18): every part but the
   last has ceil(dim / num_outputs) elements; TVM asks for equal parts.
+- `EyeLike` with a `dtype` attribute: the output has that element type, whatever the input's;
+  TVM's converter refuses one that differs from the input's, and TVM's legalization of
+  `eye_like` drops its dtype (the kernel makes the input's), so the ones and zeros are cast.
+- `Trilu` whose diagonal offset `k` is a graph input: TVM's converter builds its mask from
+  nested calls it never binds and fails ("the type is not populated"); here one kernel reads
+  `k` and keeps each element on its side of the diagonal.
 """
 
 from __future__ import annotations
 
-from tvm import relax, tirx
+from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
-from tvm.relax.frontend.onnx.onnx_frontend import get_constant
+from tvm.relax.frontend.onnx.onnx_frontend import get_constant, get_type
 
 from .ops_gather import take_in_range
 from .ops_shape import is_runtime_tensor, runtime_arange
@@ -64,4 +70,37 @@ class Split(onnx_frontend.Split):
         return relax.Tuple(parts)
 
 
-CONVERTERS = {"Split": Split}
+class EyeLike(onnx_frontend.EyeLike):
+    """An identity-like matrix of the `dtype` attribute's type, else of the input's."""
+
+    @classmethod
+    def _impl_v9(cls, bb, inputs, attr, params):
+        eye = relax.op.eye_like(inputs[0], attr.get("k", 0))
+        dtype = get_type(attr["dtype"]) if "dtype" in attr else str(inputs[0].ty.dtype)
+        return eye if dtype == str(inputs[0].ty.dtype) else relax.op.astype(bb.emit(eye), dtype)
+
+
+class Trilu(onnx_frontend.Trilu):
+    """The triangle by a diagonal offset read when the model runs, else TVM's."""
+
+    @classmethod
+    def _impl_v14(cls, bb, inputs, attr, params):
+        offset = get_constant(inputs[1], params) if len(inputs) > 1 and inputs[1] is not None else None
+        if not is_runtime_tensor(offset):
+            return super()._impl_v14(bb, inputs, attr, params)
+        upper = bool(attr.get("upper", True))
+        return bb.emit_te(lambda data, k: _triangle(data, k, upper), inputs[0], offset,
+                          primfunc_name_hint="trilu")
+
+
+def _triangle(data: te.Tensor, offset: te.Tensor, upper: bool) -> te.Tensor:
+    def value(*index):
+        above_by = tirx.Cast("int64", index[-1]) - tirx.Cast("int64", index[-2])  # column - row
+        k = tirx.Cast("int64", offset[()])
+        keep = above_by >= k if upper else above_by <= k
+        return tirx.if_then_else(keep, data[index], tirx.const(0, data.dtype))
+
+    return te.compute(data.shape, value, name="trilu")
+
+
+CONVERTERS = {"Split": Split, "EyeLike": EyeLike, "Trilu": Trilu}
