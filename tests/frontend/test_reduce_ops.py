@@ -1,5 +1,6 @@
 """Reductions whose axes are an input computed at run time (frontend/ops_reduce.py) match
-onnxruntime, including over a dim of length 0 (the value over an empty set)."""
+onnxruntime, including over a dim of length 0 (the value over an empty set); so does CumSum
+along an axis fed at run time, and an axis outside the rank is refused when the model runs."""
 
 import numpy as np
 import pytest
@@ -87,3 +88,23 @@ def test_axes_computed_from_static_shapes_reduce_as_constant_axes():
     x = np.random.default_rng(0).uniform(0.5, 2.0, (2, 3, 4)).astype(np.float32)
     np.testing.assert_allclose(tightfit.compile(model).session().run({"x": x})["y"],
                                run_onnxruntime(model, {"x": x})["y"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_cumsum_along_an_axis_fed_at_run_time_matches_onnxruntime(exclusive, reverse, dtype):
+    kind = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph(
+        [helper.make_node("CumSum", ["x", "axis"], ["y"], exclusive=exclusive, reverse=reverse)], "cumsum",
+        [helper.make_tensor_value_info("x", kind, ["a", "b", "c"]),
+         helper.make_tensor_value_info("axis", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", kind, ["a", "b", "c"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    session = tightfit.compile(model).session()
+    x = np.arange(2 * 3 * 4).reshape(2, 3, 4).astype(dtype) - 5
+    for axis in range(-3, 3):
+        feeds = {"x": x, "axis": np.array(axis, np.int64)}
+        np.testing.assert_array_equal(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                                      err_msg=f"axis {axis}")
+    with pytest.raises(tightfit.errors.InputError, match="out of range"):
+        session.run({"x": x, "axis": np.array(3, np.int64)})

@@ -15,6 +15,12 @@ Axes must not repeat (ONNX forbids it): with keepdims=0 the output rank is the i
 their count, so that count must be static; with keepdims=1 it may be computed too (ONNX's
 function bodies reduce over `Range(axis, Size(Shape(x)))`). An empty axes tensor reduces every
 dim unless noop_with_empty_axes is set.
+
+`CumSum` along an axis fed at run time (TVM: "CumSum with non-constant axis input is not
+supported yet"): the input's rank is known, so the scan is computed along each axis by TVM's
+kernel and the one the axis names is kept; the axis is checked when the model runs (an axis
+outside the rank is an InputError). Rank-times the work of one scan; exporters give the axis
+as a constant, for which TVM's single scan is used.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant
 
-from .ops_gather import take_in_range
+from .ops_gather import checked_indices, take_in_range
 from .ops_shape import is_runtime_tensor, named_dims, runtime_shape, runtime_symbols
 from .shape_values import constant_value, known_ints, shape_values
 
@@ -153,6 +159,25 @@ def _runtime_axes_converter(base: type, kind: str, version: int) -> type:
     return subclass
 
 
+class CumSum(onnx_frontend.CumSum):
+    """Along an axis known only when the model runs: every axis's scan, the named one kept."""
+
+    @classmethod
+    def _impl_v14(cls, bb, inputs, attr, params):
+        axis = get_constant(inputs[1], params)
+        if not is_runtime_tensor(axis):
+            return super()._impl_v14(bb, inputs, attr, params)
+        rank = inputs[0].ty.ndim
+        one_per_axis = relax.const(np.zeros(rank, np.int8))
+        axis = bb.emit(relax.op.reshape(checked_indices(bb, one_per_axis, axis, [0], "CumSum", attr), ()))
+        scanned = None
+        for dim in range(rank):
+            scan = bb.emit(super()._impl_v14(bb, [inputs[0], relax.const(dim, "int64")], attr, params))
+            named = relax.op.equal(axis, relax.const(dim, str(axis.ty.dtype)))
+            scanned = scan if scanned is None else bb.emit(relax.op.where(named, scan, scanned))
+        return scanned
+
+
 CONVERTERS = {
     name: _runtime_axes_converter(getattr(onnx_frontend, name), kind, version)
     for name, kind, version in [
@@ -161,4 +186,5 @@ CONVERTERS = {
         ("ReduceL1", "l1", 18), ("ReduceL2", "l2", 18), ("ReduceLogSum", "log_sum", 18),
         ("ReduceLogSumExp", "log_sum_exp", 18),
     ]
-}
+} | {"CumSum": CumSum}
+
