@@ -1,6 +1,6 @@
 """Split by sizes given at run time, computed from shapes, or into uneven parts, EyeLike of
-another type than its input, Trilu by an offset given at run time, and Constant's scalar and
-list forms, compared with onnxruntime."""
+another type than its input, Trilu by an offset and OneHot of a depth given at run time, and
+Constant's scalar and list forms, compared with onnxruntime."""
 
 import numpy as np
 import pytest
@@ -92,3 +92,17 @@ def test_trilu_by_an_offset_given_at_run_time(upper):
             feeds = {"x": x, "k": np.array(k, np.int64)}
             expected = run_onnxruntime(make_model(nodes, inputs, outputs), feeds)["y"]
             np.testing.assert_array_equal(session.run(feeds)["y"], expected, err_msg=f"{shape} k={k}")
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_one_hot_of_a_depth_given_at_run_time(axis):
+    nodes = [helper.make_node("OneHot", ["indices", "depth", "values"], ["y"], axis=axis)]
+    inputs = [("indices", I64, ["n", "m"]), ("depth", I64, [1]), ("values", F, [2])]
+    model = make_model(nodes, inputs, [("y", F, [None, None, None])])
+    session = tightfit.compile(model).session()
+    indices = np.array([[0, 3, -1], [2, -4, 7]], np.int64)  # 7 and -4 are out of range at depth 4
+    for depth in (4, 8):
+        feeds = {"indices": indices, "depth": np.array([depth], np.int64),
+                 "values": np.array([-1.5, 2.0], np.float32)}
+        np.testing.assert_array_equal(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                                      err_msg=f"depth {depth}")

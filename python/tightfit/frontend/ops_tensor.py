@@ -14,6 +14,10 @@
 - `Trilu` whose diagonal offset `k` is a graph input: TVM's converter builds its mask from
   nested calls it never binds and fails ("the type is not populated"); here one kernel reads
   `k` and keeps each element on its side of the diagonal.
+- `OneHot` whose depth or on/off values are fed at run time (TVM: "Only constant depth
+  currently supported"): the depth is bound to a symbol when the model runs and one kernel
+  writes the on value where an index (negative ones counted from the end) equals the position
+  along the new axis, the off value elsewhere, as onnxruntime does for an index out of range.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from tvm.relax.frontend.onnx.onnx_frontend import get_constant, get_type
 
 from .ops_gather import take_in_range
-from .ops_shape import is_runtime_tensor, runtime_arange
+from .ops_shape import is_runtime_tensor, runtime_arange, runtime_symbols
 from .shape_values import shape_values
 
 
@@ -103,4 +107,30 @@ def _triangle(data: te.Tensor, offset: te.Tensor, upper: bool) -> te.Tensor:
     return te.compute(data.shape, value, name="trilu")
 
 
-CONVERTERS = {"Split": Split, "EyeLike": EyeLike, "Trilu": Trilu}
+class OneHot(onnx_frontend.OneHot):
+    """Depth and values read when the model runs, else TVM's."""
+
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        indices, depth, values = inputs[0], get_constant(inputs[1], params), get_constant(inputs[2], params)
+        if not (is_runtime_tensor(depth) or is_runtime_tensor(values)):
+            return super()._impl_v11(bb, inputs, attr, params)
+        axis = attr.get("axis", -1) % (indices.ty.ndim + 1)
+        depth_vector = bb.emit(relax.op.reshape(relax.op.astype(depth, "int64"), [1]))
+        classes, = runtime_symbols(bb, depth_vector, "one_hot_depth")
+        return bb.emit_te(lambda index, value, depth_dim: _one_hot(index, value, depth_dim, axis),
+                          indices, values, classes, primfunc_name_hint="one_hot")
+
+
+def _one_hot(indices: te.Tensor, values: te.Tensor, depth, axis: int) -> te.Tensor:
+    shape = [*indices.shape[:axis], depth, *indices.shape[axis:]]
+
+    def value(*position):
+        index = tirx.Cast("int64", indices(*position[:axis], *position[axis + 1:]))
+        index = tirx.if_then_else(index < 0, index + depth, index)
+        return tirx.if_then_else(index == position[axis], values[1], values[0])
+
+    return te.compute(shape, value, name="one_hot")
+
+
+CONVERTERS = {"Split": Split, "EyeLike": EyeLike, "Trilu": Trilu, "OneHot": OneHot}
