@@ -10,13 +10,13 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 
 
-def attention_model(inputs, outputs, opset=23, **attributes):
+def attention_model(inputs, outputs, opset=23, output_type=TensorProto.FLOAT, **attributes):
     node = helper.make_node("Attention", [name for name, _, _ in inputs],
                             [name for name, _ in outputs], **attributes)
     graph = helper.make_graph(
         [node], "attention",
         [helper.make_tensor_value_info(name, elem, shape) for name, elem, shape in inputs if name],
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in outputs if name])
+        [helper.make_tensor_value_info(name, output_type, shape) for name, shape in outputs if name])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
@@ -65,3 +65,19 @@ def test_causal_attention_with_a_fully_masked_row_gives_zeros():
                         is_causal=1, qk_matmul_output_mode=3)
     mask = np.array([[-np.inf, 0, 0], [0, 0, 0]], np.float32)
     check(m, {"q": random(1, 1, 2, 4), "k": random(1, 1, 3, 4), "v": random(1, 1, 3, 4), "mask": mask})
+
+
+def test_float16_attention_is_rounded_once_from_float32():
+    """float16 attention computed in float32 and rounded once, as onnxruntime computes it: every
+    output within one float16 step of the exact (float64) attention, which rounding every step
+    to float16 missed (13 of 192 outputs of onnx's test_attention_4d_fp16)."""
+    shapes = {"Q": [2, 3, 4, 8], "K": [2, 3, 6, 8], "V": [2, 3, 6, 8]}
+    feeds = {name: random(*shape).astype(np.float16) for name, shape in shapes.items()}
+    model = attention_model([(name, TensorProto.FLOAT16, shape) for name, shape in shapes.items()],
+                            [("Y", [2, 3, 4, 8])], output_type=TensorProto.FLOAT16)
+    ours = tightfit.compile(model).session().run(feeds)["Y"]
+    exact_model = attention_model([(name, TensorProto.DOUBLE, shape) for name, shape in shapes.items()],
+                                  [("Y", [2, 3, 4, 8])], output_type=TensorProto.DOUBLE)
+    exact = run_onnx_reference(exact_model, {name: value.astype(np.float64) for name, value in feeds.items()})["Y"]
+    assert ours.dtype == np.float16
+    assert np.all(np.abs(ours.astype(np.float64) - exact) <= np.spacing(np.abs(exact).astype(np.float16)))

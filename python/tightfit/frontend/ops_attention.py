@@ -8,6 +8,9 @@ frontiers (offset by the past length, or per batch by `nonpad_kv_seqlen - q_len`
 padding of `nonpad_kv_seqlen`; softcap before the bias; a softmax whose fully masked rows (the
 bias all -inf) are zero, not NaN; grouped-query attention by repeating each K/V head. 3-D inputs
 are (batch, seq, heads * head_size) and go through (batch, heads, seq, head_size).
+float16 and bfloat16 attention is computed in float32 and its outputs rounded once, as onnx's
+reference and onnxruntime compute it: in float16 throughout, 13 of 192 outputs of
+test_attention_4d_fp16 were one float16 step off.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import numpy as np
 from onnx import helper
 from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
+
+NARROW_FLOATS = ("float16", "bfloat16")
 
 # qk_matmul_output_mode values (onnx's reference): the product after softcap (0 and 1),
 # with the bias added (2), after the softmax (3).
@@ -57,6 +62,8 @@ class Attention(onnx_frontend.OnnxOpConverter):
         def given(index):
             return inputs[index] if len(inputs) > index and inputs[index] is not None else None
 
+        if str(inputs[0].ty.dtype) in NARROW_FLOATS:
+            return cls._in_float32(bb, inputs, attr, params)
         query, key, value = inputs[0], inputs[1], inputs[2]
         mask, past_key, past_value, nonpad_kv_seqlen = given(3), given(4), given(5), given(6)
         if (past_key is None) != (past_value is None):
@@ -121,6 +128,14 @@ class Attention(onnx_frontend.OnnxOpConverter):
             output = relax.op.permute_dims(output, [0, 2, 1, 3])
             output = bb.emit(relax.op.reshape(output, [batch, q_len, q_heads * _dims(value)[3]]))
         return relax.Tuple([output, present_key, present_value, qk_output])
+
+    @classmethod
+    def _in_float32(cls, bb, inputs, attr, params) -> relax.Tuple:
+        narrow = str(inputs[0].ty.dtype)
+        widened = [bb.emit(relax.op.astype(value, "float32"))
+                   if value is not None and str(value.ty.dtype) == narrow else value for value in inputs]
+        outputs = cls._impl_v23(bb, widened, attr, params)
+        return relax.Tuple([bb.emit(relax.op.astype(output, narrow)) for output in outputs.fields])
 
     @staticmethod
     def _softmax(bb: relax.BlockBuilder, scores: relax.Expr) -> relax.Expr:
