@@ -13,9 +13,10 @@ kernel computes: IEEE float arithmetic (+ - * / and sqrt, each correctly rounded
 arithmetic (wrapping), comparisons, logic, casts and layout ops. A result is kept only when its
 shape and dtype are the ones TVM inferred for the call. Bindings to a folded value are replaced
 by the constant at every use, so chains fold in one walk. Everything else is left to
-FoldConstant, which runs next: ops whose last bits depend on the math library (exp, pow),
-sums (their order rounds), integer division by zero, and ops not in EVALUATORS. The shape of a
-tensor of static shape (`shape_of`) is folded too: shape computations start from it.
+FoldConstant, which runs next (one call at a time, fold_constant_calls.py): ops whose last
+bits depend on the math library (exp, pow), sums (their order rounds), integer division by
+zero, and ops not in EVALUATORS. The shape of a tensor of static shape (`shape_of`) is
+folded too: shape computations start from it.
 Limit: values that reach a call through `match_cast` or `vm.builtin.tensor_to_shape` (shapes
 computed as tensors, then bound to symbolic dims, as in ONNX Attention's causal mask) are not
 followed.
