@@ -15,7 +15,9 @@ This pass shows FoldConstant only what it can fold: each call (an operator's, or
 `call_tir`) whose arguments are all constants, alone in a module with the kernel it calls, and
 binds the constant it evaluates to in the call's place. A binding to a constant is replaced at
 each of its uses, so chains fold in one walk. FoldConstant folds the same calls as over the whole
-module, with its own rules (what it declines to fold stays a call).
+module, with its own rules (what it declines to fold stays a call), except a call with no
+arguments at all (after legalization, the kernel of an arange or an identity matrix), which
+stays a call: over the whole module FoldConstant stored its output in the package.
 """
 
 from __future__ import annotations
