@@ -1,11 +1,13 @@
 """Split by sizes given at run time, computed from shapes, or into uneven parts, EyeLike of
 another type than its input, Trilu by an offset and OneHot of a depth given at run time, and
-Constant's scalar and list forms, compared with onnxruntime."""
+Constant's scalar and list forms, compared with onnxruntime; AffineGrid of a size given at run
+time, compared with onnx's reference."""
 
 import numpy as np
 import pytest
 import tvm
 from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
 
 import tightfit
 from tightfit.frontend import import_onnx
@@ -106,3 +108,18 @@ def test_one_hot_of_a_depth_given_at_run_time(axis):
                  "values": np.array([-1.5, 2.0], np.float32)}
         np.testing.assert_array_equal(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
                                       err_msg=f"depth {depth}")
+
+
+@pytest.mark.parametrize("align_corners", [0, 1])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_affine_grid_of_a_size_given_at_run_time(rank, align_corners):
+    nodes = [helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=align_corners)]
+    inputs = [("theta", F, [2, rank, rank + 1]), ("size", I64, [rank + 2])]
+    model = make_model(nodes, inputs, [("grid", F, [2] + [None] * rank + [rank])], opset=20)
+    session = tightfit.compile(model).session()
+    theta = np.random.default_rng(rank).standard_normal((2, rank, rank + 1)).astype(np.float32)
+    for spatial in {2: ([5, 3], [1, 4]), 3: ([2, 1, 6], [3, 4, 2])}[rank]:
+        feeds = {"theta": theta, "size": np.array([2, 3, *spatial], np.int64)}
+        expected = ReferenceEvaluator(model).run(None, feeds)[0]
+        np.testing.assert_allclose(session.run(feeds)["grid"], expected, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"size {spatial}")

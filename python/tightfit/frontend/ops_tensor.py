@@ -18,9 +18,16 @@
   currently supported"): the depth is bound to a symbol when the model runs and one kernel
   writes the on value where an index (negative ones counted from the end) equals the position
   along the new axis, the off value elsewhere, as onnxruntime does for an index out of range.
+- `AffineGrid` whose output size is fed at run time (TVM: "Dynamic size ... is not
+  supported"; its kernel takes static sizes only): the size's values are bound to symbols when
+  the model runs, and one kernel maps each output position's normalized coordinates (x along
+  the width, then y, then z) through theta, as onnx's reference does.
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
@@ -133,4 +140,39 @@ def _one_hot(indices: te.Tensor, values: te.Tensor, depth, axis: int) -> te.Tens
     return te.compute(shape, value, name="one_hot")
 
 
-CONVERTERS = {"Split": Split, "EyeLike": EyeLike, "Trilu": Trilu, "OneHot": OneHot}
+class AffineGrid(onnx_frontend.AffineGrid):
+    """A grid of a size read when the model runs, else TVM's."""
+
+    @classmethod
+    def _impl_v20(cls, bb, inputs, attr, params):
+        size = get_constant(inputs[1], params)
+        if not is_runtime_tensor(size):
+            return super()._impl_v20(bb, inputs, attr, params)
+        dims = runtime_symbols(bb, bb.emit(relax.op.astype(size, "int64")), "affine_grid_size")
+        align_corners = bool(attr.get("align_corners", 0))
+        return bb.emit_te(lambda theta, *spatial: _affine_grid(theta, list(spatial), align_corners),
+                          inputs[0], *dims[2:], primfunc_name_hint="affine_grid")
+
+
+def _affine_grid(theta: te.Tensor, spatial: list, align_corners: bool) -> te.Tensor:
+    """grid[n, (d,) h, w] = theta[n] @ (x_w, y_h, (z_d,) 1): normalized coordinates in [-1, 1],
+    pixel centres unless `align_corners` (then the end pixels, and -1 for an extent of 1)."""
+    dtype = theta.dtype
+
+    def coordinate(position, extent):
+        position, extent = tirx.Cast(dtype, position), tirx.Cast(dtype, extent)
+        if not align_corners:
+            return (position * 2 + 1) / extent - 1
+        return tirx.if_then_else(extent > 1, position * 2 / (extent - 1) - 1, tirx.const(-1, dtype))
+
+    def value(n, *position_and_axis):
+        *position, axis = position_and_axis
+        base = [coordinate(position[-1 - j], spatial[-1 - j]) for j in range(len(spatial))]
+        return functools.reduce(operator.add, [theta[n, axis, j] * base[j] for j in range(len(base))],
+                                theta[n, axis, len(base)])
+
+    return te.compute([theta.shape[0], *spatial, len(spatial)], value, name="affine_grid")
+
+
+CONVERTERS = {"Split": Split, "EyeLike": EyeLike, "Trilu": Trilu, "OneHot": OneHot,
+              "AffineGrid": AffineGrid}
