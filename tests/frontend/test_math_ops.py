@@ -1,6 +1,6 @@
 """Element-wise math where TVM's converters and ONNX disagree (ops_math.py): BitShift by any
 amount, against ONNX's rule that a shift by a negative amount or one of at least the type's
-width moves every bit out; IsInf of one infinity only."""
+width moves every bit out; IsInf of one infinity only; Elu and Celu in float16 as in float32."""
 
 import functools
 
@@ -72,3 +72,19 @@ def test_isinf_flags_the_infinities_its_attributes_ask_for(negative, positive):
     x = np.array([-np.inf, -1.0, 0.0, np.nan, 2.5, np.inf], np.float32)
     np.testing.assert_array_equal(tightfit.compile(model).session().run({"x": x})["y"],
                                   run_onnxruntime(model, {"x": x})["y"])
+
+
+# ONNX's Celu takes float32 only (its function body, an Elu, any float type)
+@pytest.mark.parametrize("op,alpha,dtype", [("Elu", 0.7, np.float32), ("Elu", 0.7, np.float16),
+                                            ("Celu", 1.6, np.float32)])
+def test_elu_and_celu_in_the_input_type_match_onnxruntime(op, alpha, dtype):
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"], alpha=alpha)], "g",
+                              [helper.make_tensor_value_info("x", elem, ["n"])],
+                              [helper.make_tensor_value_info("y", elem, ["n"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.linspace(-6, 6, 49).astype(dtype)
+    ours = tightfit.compile(model).session().run({"x": x})["y"]
+    assert ours.dtype == dtype
+    tolerance = 1e-3 if dtype == np.float16 else 1e-6
+    np.testing.assert_allclose(ours, run_onnxruntime(model, {"x": x})["y"], rtol=tolerance, atol=tolerance)

@@ -10,6 +10,11 @@
   (opset 28's cases) wants such a shift to move every bit out: 0, or the sign in each bit for a
   right shift of a signed type. Here the amount is made in range and the result chosen.
 - `IsInf`: TVM ignores `detect_negative` and `detect_positive` and flags both infinities.
+- `Elu`: TVM's constants are float32, so a float16 or bfloat16 input fails to import ("Binary
+  operators must have the same datatype"; CELU's function body is an Elu). Here they take the
+  input's type.
+- `Celu` (TVM has no converter): max(0, x) + min(0, alpha (exp(x / alpha) - 1)), as ONNX
+  defines it, in the input's type.
 """
 
 from __future__ import annotations
@@ -79,4 +84,29 @@ class IsInf(onnx_frontend.IsInf):
         return relax.op.logical_and(infinite, sign)
 
 
-CONVERTERS = {"Pow": Pow, "BitShift": BitShift, "IsInf": IsInf}
+class Elu(onnx_frontend.Elu):
+    """alpha (exp(x) - 1) below 0, x above, in the input's float type."""
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        data = inputs[0]
+        dtype = str(data.ty.dtype)
+        alpha = relax.const(float(attr.get("alpha", 1.0)), dtype)
+        below = relax.op.nn.relu(relax.op.subtract(relax.const(1.0, dtype), relax.op.exp(data)))
+        return relax.op.add(relax.op.negative(relax.op.multiply(alpha, below)), relax.op.nn.relu(data))
+
+
+class Celu(onnx_frontend.OnnxOpConverter):
+    """max(0, x) + min(0, alpha (exp(x / alpha) - 1))."""
+
+    @classmethod
+    def _impl_v12(cls, bb, inputs, attr, params):
+        data = inputs[0]
+        dtype = str(data.ty.dtype)
+        alpha, zero = relax.const(float(attr.get("alpha", 1.0)), dtype), relax.const(0.0, dtype)
+        below = relax.op.multiply(alpha, relax.op.subtract(relax.op.exp(relax.op.divide(data, alpha)),
+                                                           relax.const(1.0, dtype)))
+        return relax.op.add(relax.op.maximum(zero, data), relax.op.minimum(zero, below))
+
+
+CONVERTERS = {"Pow": Pow, "BitShift": BitShift, "IsInf": IsInf, "Elu": Elu, "Celu": Celu}
