@@ -93,7 +93,7 @@ ONNX_OP_DYNAMISM: dict[str, OpRule] = {
     **_rules(
         "Abs Acos Acosh Add And ArgMax ArgMin Asin Asinh Atan Atanh Attention AveragePool "
         "BatchNormalization BiasGelu BitShift BitwiseAnd BitwiseNot BitwiseOr BitwiseXor Cast "
-        "CastLike Ceil Clip Concat ConcatFromSequence Conv ConvTranspose Cos Cosh CumSum "
+        "CastLike Ceil Celu Clip Concat ConcatFromSequence Conv ConvTranspose Cos Cosh CumSum "
         "DepthToSpace DequantizeLinear Div Dropout DynamicQuantizeLinear Einsum Elu "
         "EmbedLayerNormalization Equal Erf Exp FastGelu Flatten Floor Gather GatherElements "
         "GatherND Gelu Gemm GlobalAveragePool GlobalLpPool GlobalMaxPool Greater GreaterOrEqual "
