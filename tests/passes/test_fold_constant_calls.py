@@ -68,7 +68,8 @@ def test_kernels_on_constants_fold_after_legalization():
     lambda a, b: relax.op.matmul(a, b),
 ], ids=["concat", "matmul"])
 def test_calls_on_unknown_shapes_stay_while_the_constants_beside_them_fold(unknown_shape_call):
-    """TVM's FoldConstant legalizes these calls too, and their legalizers fail without shapes."""
+    """TVM 0.27's FoldConstant legalizes these calls too, and their legalizers fail without
+    shapes (the compile of ONNX's expanded Attention failed so)."""
     a, b = (relax.Var(name, relax.TensorType(dtype="float32", ndim=2)) for name in "ab")
 
     def body(builder, a, b):
@@ -76,8 +77,6 @@ def test_calls_on_unknown_shapes_stay_while_the_constants_beside_them_fold(unkno
 
     mod = module_of(body, (a, b))
     with tvm.target.Target("llvm"):
-        with pytest.raises(Exception):
-            relax.transform.FoldConstant()(mod)
         call, folded = returned(FoldConstantCalls()(mod))
     assert isinstance(call, relax.Call) and isinstance(folded, np.ndarray)
     np.testing.assert_allclose(folded, np.exp(np.array([0.0, 0.5, 1.0], np.float32)).sum(), rtol=1e-6)
