@@ -73,10 +73,7 @@ def _kernels_called(sequence: tirx.PrimFunc) -> list[str]:
 def arena_violations(sequence: tirx.PrimFunc, dim_value) -> list[str]:
     """What is wrong with the arena of `sequence` when each of its scalar params d is
     dim_value(d)."""
-    analyzer = tvm.sym.Analyzer()
-    for param in sequence.params:
-        if isinstance(param.ty, tvm.ir.PrimType):
-            analyzer.bind(param, tirx.IntImm("int64", dim_value(param)))
+    analyzer = _analyzer_with_dims(sequence, dim_value)
     arena = next((param for param in sequence.params if param.name == "arena"), None)
     arena_bytes = int(analyzer.simplify(arena.ty.shape[0])) if arena is not None else 0
     slots = sorted((int(analyzer.simplify(offset)), int(analyzer.simplify(size)))
@@ -157,6 +154,40 @@ def test_every_arena_tensor_lies_in_its_own_slot_of_the_arena(transformer_sequen
     dims = {"batch": batch, "sequence": sequence_length}
     for name, sequence in transformer_sequences.items():
         assert arena_violations(sequence, lambda dim: dims[dim.name]) == [], name
+
+
+@pytest.mark.parametrize("batch, sequence_length", [(1, 1024), (4, 256), (16, 64)])
+def test_slots_of_whole_pages_begin_at_different_offsets_within_a_page(transformer_sequences, batch,
+                                                                        sequence_length):
+    """At these dims every slot's size is a multiple of 4 KiB: laid end to end, all would begin
+    at the same offset within a page, where a kernel's loads from one wait on its stores to
+    another (4 KiB aliasing)."""
+    dims = {"batch": batch, "sequence": sequence_length}
+    for name, sequence in transformer_sequences.items():
+        starts, sizes = _slots_at(sequence, lambda dim: dims[dim.name])
+        assert all(size % PAGE == 0 for size in sizes), name
+        page_offsets = [start % PAGE for start in starts]
+        assert len(set(page_offsets)) == len(page_offsets), (name, page_offsets)
+        assert 0 not in page_offsets, (name, "a slot begins where the allocator's pages do")
+
+
+PAGE = 4096
+
+
+def _analyzer_with_dims(sequence: tirx.PrimFunc, dim_value) -> tvm.sym.Analyzer:
+    """An analyzer that knows each scalar param d of `sequence` as dim_value(d)."""
+    analyzer = tvm.sym.Analyzer()
+    for param in sequence.params:
+        if isinstance(param.ty, tvm.ir.PrimType):
+            analyzer.bind(param, tirx.IntImm("int64", dim_value(param)))
+    return analyzer
+
+
+def _slots_at(sequence: tirx.PrimFunc, dim_value) -> tuple[list[int], list[int]]:
+    analyzer = _analyzer_with_dims(sequence, dim_value)
+    slots = [(int(analyzer.simplify(offset)), int(analyzer.simplify(size)))
+             for offset, size in sequence.attrs[ARENA_SLOTS_ATTR]]
+    return [start for start, _ in slots], [size for _, size in slots]
 
 
 @pytest.fixture(scope="module")
