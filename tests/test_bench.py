@@ -8,6 +8,8 @@ import time
 
 from tightfit.bench import (ModelBenchmark, ShapeTiming, _run_for, benchmark_model, markdown_table,
                             quartile_spread, ratio_summary, run_job_io, run_worker)
+from tightfit.bench_loading import benchmark_loading
+from tightfit.testing import zoo
 
 
 def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
@@ -98,3 +100,14 @@ def test_loaded_package_holds_its_weights_once(tmp_path):
     loaded = run_worker({"job": "run-tightfit", "artifact": package, **run_job_io(model, {"x": (1, 1024)})})
     extra_mib = (loaded["peak_rss_kib"] - baseline) / 1024
     assert 32 <= extra_mib < 32 * 1.25 + 8  # the weights once, plus activations and code
+
+
+def test_loading_reports_why_a_build_failed_and_skips_the_loads_it_would_feed():
+    """Stock TVM cannot import topk_computed_k (its TopK's k is computed at run time): its build
+    fails, and its loads are not attempted on a file that was never written."""
+    result = benchmark_loading(zoo.get("topk_computed_k").build(), "topk_computed_k")
+    build_failure = result.failures["tvm-default build"]
+    assert "Warning" not in build_failure and build_failure.strip()
+    assert result.failures["tvm-default load"] == "not run: the build failed"
+    assert result.failures["tvm-default load+run"] == "not run: the build failed"
+    assert {"tightfit build", "tightfit load", "tightfit load+run"} <= set(result.seconds)

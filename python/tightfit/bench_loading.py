@@ -57,6 +57,9 @@ def benchmark_loading(model: str | Path | onnx.ModelProto, name: str,
         seconds, peaks, failures = {}, {}, {}
         for label, job in CASES:  # builds come first: each load reads what its build wrote
             engine = "tightfit" if "tightfit" in job else "tvm-default"
+            if f"{engine} build" in failures:
+                failures[label] = "not run: the build failed"
+                continue
             try:
                 measured = run_worker({"job": job, "model": str(model_path),
                                        "artifact": artifacts[engine], **io})
