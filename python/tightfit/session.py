@@ -51,8 +51,12 @@ class Session:
         # a result tuple from a device is a handle to an array there, read through its functions
         self._array_functions = (_ARRAY_FUNCTIONS if remote is None else tuple(
             remote.rpc_session.get_function(name) for name in ARRAY_FUNCTION_NAMES))
-        self._handed_out = {spec.name for spec, fresh in zip(package.outputs, package.fresh_outputs)
-                            if fresh and _numpy_exchanges(spec.dtype)}
+        handed_out = {spec.name for spec, fresh in zip(package.outputs, package.fresh_outputs)
+                      if fresh and _numpy_exchanges(spec.dtype) and self._on_host}
+        # each output's name and how its tensor becomes numpy: a view of a tensor allocated for
+        # this run alone, a copy of any other
+        self._hand_back = [(name, np.from_dlpack if name in handed_out else _numpy_copy)
+                           for name in self._output_names]
         # input name -> (aligned numpy buffer, TVM view of it), for inputs TVM cannot view
         self._staging: dict[str, tuple[np.ndarray, tvm.runtime.Tensor]] = {}
         # input name -> (the array last fed, its shape, strides and dtype then, the tensor the
@@ -72,12 +76,9 @@ class Session:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the model; returns the outputs by ONNX output name, in the graph's order."""
-        arguments = self.prepare_inputs(feeds)
-        values = _flatten(self._main(*arguments, *self.weights), self._array_functions)
-        if not self._on_host:
-            return {name: value.numpy() for name, value in zip(self._output_names, values)}
-        return {name: np.from_dlpack(value) if name in self._handed_out else value.numpy()
-                for name, value in zip(self._output_names, values)}
+        values = _flatten(self._main(*self.prepare_inputs(feeds), *self.weights),
+                          self._array_functions)
+        return {name: hand_back(value) for (name, hand_back), value in zip(self._hand_back, values)}
 
     def prepare_inputs(self, feeds: dict[str, np.ndarray]) -> list[tvm.runtime.Tensor]:
         """Check `feeds` against the model's inputs and place them on the device. Feeds with
@@ -86,8 +87,13 @@ class Session:
         if self._on_host and len(feeds) == len(self._input_names):
             # the arrays of the last run, their shapes, strides and dtypes unchanged: they
             # were checked together then (every placement is made after the check, all at once)
-            again = [self._placed_again(name, feeds.get(name)) for name in self._input_names]
-            if all(tensor is not None for tensor in again):
+            again = []
+            for name in self._input_names:
+                tensor = self._placed_again(name, feeds.get(name))
+                if tensor is None:
+                    break
+                again.append(tensor)
+            else:
                 return again
         signature = _feed_signature(feeds)
         if signature is None or signature != self._checked_feeds:
@@ -134,7 +140,7 @@ class Session:
                 or placed[2] != array.strides or placed[3] != array.dtype):
             return None
         if placed[5] is not None:
-            np.copyto(placed[5], array)
+            placed[5][...] = array  # 0.14 us for a small array, np.copyto 0.26
         return placed[4]
 
     def profile(self, feeds: dict[str, np.ndarray]):
@@ -250,8 +256,16 @@ def _flatten(result, array_functions: tuple = _ARRAY_FUNCTIONS) -> list[tvm.runt
     array_size, array_get_item = array_functions
     values = []
     for index in range(array_size(result)):
-        values.extend(_flatten(array_get_item(result, index), array_functions))
+        item = array_get_item(result, index)
+        if isinstance(item, tvm.runtime.Tensor):
+            values.append(item)
+        else:
+            values.extend(_flatten(item, array_functions))
     return values
+
+
+def _numpy_copy(tensor: tvm.runtime.Tensor) -> np.ndarray:
+    return tensor.numpy()
 
 
 @tvm_ffi.register_global_func(INDEX_ERROR_FUNCTION)
