@@ -5,9 +5,11 @@ from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
 from .fold_constant_calls import FoldConstantCalls
 from .fold_constants_on_host import FoldConstantsOnHost
+from .inline_branch_functions import InlineBranchFunctions
 from .keep_reshapes_as_views import KeepReshapesAsViews, legalize_views
 from .launch_kernel_sequences import LaunchKernelSequences
 from .lower_nonzero import LowerNonZero
+from .move_into_branches import MoveIntoBranches
 from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
 from .select_conv_algorithm import SelectConvAlgorithm
@@ -23,9 +25,11 @@ __all__ = [
     "FoldBatchNorm",
     "FoldConstantCalls",
     "FoldConstantsOnHost",
+    "InlineBranchFunctions",
     "KeepReshapesAsViews",
     "LaunchKernelSequences",
     "LowerNonZero",
+    "MoveIntoBranches",
     "PreTransformWeights",
     "RankDimensionPropagation",
     "SelectConvAlgorithm",

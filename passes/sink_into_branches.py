@@ -11,7 +11,7 @@ too.
 
 It runs on the kernels as fused and scheduled (right after ToNonDataflow), so a sunk fused
 kernel is the same kernel, and the memory plan that follows sees each branch's tensors inside
-it. Limits: a binding used by both branches stays before the `If` (sinking a copy into each
+it; MoveIntoBranches applies the same rule before fusion, so that a branch's kernels fuse. Limits: a binding used by both branches stays before the `If` (sinking a copy into each
 would grow code for no saving on either path); impure bindings never move.
 """
 
@@ -48,7 +48,8 @@ def _sink_set(earlier: list[relax.Binding], branch_uses: set[relax.Var],
     return sunk
 
 
-def _rewrite_seq(seq: relax.SeqExpr) -> relax.SeqExpr:
+def sink_into_branches(seq: relax.SeqExpr) -> relax.SeqExpr:
+    """`seq` with the bindings each branch alone uses moved into it (module docstring)."""
     bindings = [binding for block in seq.blocks for binding in block.bindings]
     for index, binding in enumerate(bindings):
         value = binding.value
@@ -67,7 +68,7 @@ def _rewrite_seq(seq: relax.SeqExpr) -> relax.SeqExpr:
                             _prepend(value.false_branch, [b for b in earlier if b.var in into_false]))
         kept = [b for b in earlier if b.var not in into_true | into_false]
         rest = [relax.VarBinding(binding.var, branched), *bindings[index + 1:]]
-        return _rewrite_seq(relax.SeqExpr(_regroup(seq.blocks, kept + rest), seq.body))
+        return sink_into_branches(relax.SeqExpr(_regroup(seq.blocks, kept + rest), seq.body))
     blocks = [type(block)([_rewrite_branches(binding) for binding in block.bindings])
               for block in seq.blocks]
     return relax.SeqExpr(blocks, seq.body)
@@ -77,8 +78,8 @@ def _rewrite_branches(binding: relax.Binding) -> relax.Binding:
     value = binding.value
     if not isinstance(value, relax.If):
         return binding
-    return relax.VarBinding(binding.var, relax.If(value.cond, _rewrite_seq(value.true_branch),
-                                                  _rewrite_seq(value.false_branch)))
+    return relax.VarBinding(binding.var, relax.If(value.cond, sink_into_branches(value.true_branch),
+                                                  sink_into_branches(value.false_branch)))
 
 
 def _prepend(branch: relax.SeqExpr, bindings: list[relax.Binding]) -> relax.SeqExpr:
@@ -109,7 +110,7 @@ class SinkIntoBranches:
         for global_var, func in mod.functions.items():
             if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
                 continue
-            rewritten = relax.Function(func.params, _rewrite_seq(func.body), func.ret_ty,
+            rewritten = relax.Function(func.params, sink_into_branches(func.body), func.ret_ty,
                                        func.is_pure, func.attrs, func.span)
             builder.update_func(global_var, builder.normalize(rewritten))
         return builder.get()

@@ -24,9 +24,11 @@ from .passes import (
     FoldBatchNorm,
     FoldConstantCalls,
     FoldConstantsOnHost,
+    InlineBranchFunctions,
     KeepReshapesAsViews,
     LaunchKernelSequences,
     LowerNonZero,
+    MoveIntoBranches,
     PreTransformWeights,
     RankDimensionPropagation,
     SelectConvAlgorithm,
@@ -97,10 +99,14 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
                                      **legalize_float_extrema()}),
         relax.transform.AnnotateTIROpPattern(),
         FoldConstantCalls(),
+        # what fusion can join to a branch's kernels goes into the branch (SoD2 §3, §4.2)
+        MoveIntoBranches(),
         # a kernel that computes a dim is not fused with one that uses it
         SplitBlocksWhereDimsAreBound(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
+        # the branches MoveIntoBranches outlined for FuseOps go back into their `If`s
+        InlineBranchFunctions(),
         # a reshape kernel that fusion left alone becomes a view (the VM's reshape), before it is
         # scheduled: those LegalizeOps marked, then any other whose PrimFunc TVM proves a reshape
         KeepReshapesAsViews(),
@@ -254,27 +260,38 @@ def fresh_outputs(mod: tvm.IRModule) -> list[bool]:
     """For each output of the lowered `main` (tuples flattened in order): whether the compiled code
     allocates it anew on every run, so a session may hand it to the caller without a copy.
 
-    An output traced (through reshape views and match_casts) to an allocation is fresh unless
-    another output traces to the same allocation (handed out as two views, writing one would
-    change the other). An output that is an input, a weight, a constant of the executable, or a
+    An output traced (through reshape views, match_casts and both branches of an `If`) to an
+    allocation is fresh unless another output traces to the same allocation (handed out as two
+    views, writing one would change the other). An output that is an input, a weight, a constant of the executable, or a
     view of one of them is not fresh: the caller could write into the model through it.
     Anything not traced to an allocation counts as not fresh.
     """
     main = mod["main"]
     values: dict[relax.Var, relax.Expr] = {}
-    if isinstance(main.body, relax.SeqExpr):
-        for block in main.body.blocks:
+
+    def record(seq: relax.SeqExpr) -> None:
+        for block in seq.blocks:
             for binding in block.bindings:
                 if isinstance(binding, (relax.VarBinding, relax.MatchCast)):
                     values[binding.var] = binding.value
+                if isinstance(binding.value, relax.If):
+                    record(binding.value.true_branch)
+                    record(binding.value.false_branch)
+
+    if isinstance(main.body, relax.SeqExpr):
+        record(main.body)
 
     def resolve(expr: relax.Expr) -> relax.Expr:
         while isinstance(expr, relax.Var) and expr in values:
             expr = values[expr]
         return expr
 
-    def allocation(expr: relax.Expr) -> relax.Call | None:
+    def allocation(expr: relax.Expr) -> relax.Expr | None:
         value = resolve(expr)
+        if isinstance(value, relax.If):  # fresh when whichever branch runs allocates it
+            branches_allocate = all(allocation(branch.body) is not None
+                                    for branch in (value.true_branch, value.false_branch))
+            return value if branches_allocate else None
         if not isinstance(value, relax.Call):
             return None
         if _is_reshape_view(value):
@@ -282,7 +299,7 @@ def fresh_outputs(mod: tvm.IRModule) -> list[bool]:
         allocates = isinstance(value.op, tvm.ir.Op) and value.op.name in ALLOCATIONS
         return value if allocates else None
 
-    def flatten(expr: relax.Expr) -> list[relax.Call | None]:
+    def flatten(expr: relax.Expr) -> list[relax.Expr | None]:
         value = resolve(expr)
         if isinstance(value, relax.Tuple):
             return [found for field in value.fields for found in flatten(field)]
