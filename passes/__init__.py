@@ -12,6 +12,7 @@ from .lower_nonzero import LowerNonZero
 from .move_into_branches import MoveIntoBranches
 from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
+from .reuse_shape_values import ReuseShapeValues
 from .select_conv_algorithm import SelectConvAlgorithm
 from .select_gemm_kernel import SelectGemmKernel
 from .share_symbolic_storage import ShareSymbolicStorage
@@ -32,6 +33,7 @@ __all__ = [
     "MoveIntoBranches",
     "PreTransformWeights",
     "RankDimensionPropagation",
+    "ReuseShapeValues",
     "SelectConvAlgorithm",
     "SelectGemmKernel",
     "ShareSymbolicStorage",

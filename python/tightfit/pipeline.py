@@ -31,6 +31,7 @@ from .passes import (
     MoveIntoBranches,
     PreTransformWeights,
     RankDimensionPropagation,
+    ReuseShapeValues,
     SelectConvAlgorithm,
     SelectGemmKernel,
     ShareSymbolicStorage,
@@ -134,6 +135,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.LowerRuntimeBuiltin(),
         relax.transform.ComputePrimValue(),
         relax.transform.VMShapeLower(),
+        ReuseShapeValues(),
         relax.transform.AttachGlobalSymbol(),
     ]
 
