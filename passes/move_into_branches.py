@@ -144,8 +144,9 @@ class Renamer(relax.PyExprMutator):
 def _outline_branches(func: relax.Function, builder: relax.BlockBuilder) -> relax.Function:
     """`func` with each branch of two or more bindings and no `If` of its own made a call of a
     private function of those bindings: TVM 0.27's FuseOps fuses the dataflow blocks of every
-    function but skips those inside an `If` (apache/tvm#17033). InlinePrivateFunctions, after
-    FuseTIR, puts the fused bindings back in the branch."""
+    function but skips those inside an `If` (apache/tvm#17033). InlineBranchFunctions, after
+    FuseTIR, puts the fused bindings back in the branch. A branch holding an `If` stays as it
+    is (its kernels unfused), the branches of that `If` are outlined in turn."""
 
     def outlined(branch: relax.SeqExpr) -> relax.SeqExpr:
         bindings = [binding for block in branch.blocks for binding in block.bindings]
@@ -153,15 +154,16 @@ def _outline_branches(func: relax.Function, builder: relax.BlockBuilder) -> rela
             return with_branches(branch, outlined)
         if len(bindings) < 2:
             return branch
-        params = [relax.Var(var.name, var.ty) for var in relax.analysis.free_vars(branch)]
-        body = Renamer(dict(zip(relax.analysis.free_vars(branch), params))).visit_expr(branch)
+        inputs = relax.analysis.free_vars(branch)
+        params = [relax.Var(var.name, var.ty) for var in inputs]
+        body = Renamer(dict(zip(inputs, params))).visit_expr(branch)
         function = relax.Function(params, body, branch.body.ty, is_pure=True).with_attr(
             BRANCH_ATTR, True)
         if relax.analysis.free_symbolic_vars(function):
             return branch  # a dim the branch uses is not one of its inputs'
         callee = builder.add_func(function, BRANCH_FUNCTION)
         result = relax.Var("branch_result", branch.body.ty)
-        call = relax.Call(callee, list(relax.analysis.free_vars(branch)))
+        call = relax.Call(callee, list(inputs))
         return relax.SeqExpr([relax.BindingBlock([relax.VarBinding(result, call)])], result)
 
     return relax.Function(func.params, with_branches(func.body, outlined), func.ret_ty,
