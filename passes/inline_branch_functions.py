@@ -2,10 +2,10 @@
 
 The second half of passes/move_into_branches.py (SoD2 §3, §4.2), after FuseOps and FuseTIR:
 each call of a function MoveIntoBranches outlined becomes that function's bindings, its params
-replaced by the call's arguments; the functions go. TVM's
-InlinePrivateFunctions does the same but gives the inlined body symbolic dims of its own
-(`batch_1` for the caller's `batch`), which nothing then defines; an outlined function's params
-have the caller's types, so its body is the caller's code as it is.
+replaced by the call's arguments; the functions go. TVM's InlinePrivateFunctions does the same
+but gives the inlined body symbolic dims of its own (`batch_1` for the caller's `batch`), which
+nothing then defines; an outlined function's params have the caller's types, so its body is the
+caller's code as it is.
 """
 
 from __future__ import annotations
