@@ -264,9 +264,9 @@ def fresh_outputs(mod: tvm.IRModule) -> list[bool]:
 
     An output traced (through reshape views, match_casts and both branches of an `If`) to an
     allocation is fresh unless another output traces to the same allocation (handed out as two
-    views, writing one would change the other). An output that is an input, a weight, a constant of the executable, or a
-    view of one of them is not fresh: the caller could write into the model through it.
-    Anything not traced to an allocation counts as not fresh.
+    views, writing one would change the other). An output that is an input, a weight, a
+    constant of the executable, or a view of one of them is not fresh: the caller could write
+    into the model through it. Anything not traced to an allocation counts as not fresh.
     """
     main = mod["main"]
     values: dict[relax.Var, relax.Expr] = {}

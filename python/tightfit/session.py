@@ -55,7 +55,7 @@ class Session:
                       if fresh and _numpy_exchanges(spec.dtype) and self._on_host}
         # each output's name and how its tensor becomes numpy: a view of a tensor allocated for
         # this run alone, a copy of any other
-        self._hand_back = [(name, np.from_dlpack if name in handed_out else _numpy_copy)
+        self._hand_back = [(name, np.from_dlpack if name in handed_out else tvm.runtime.Tensor.numpy)
                            for name in self._output_names]
         # input name -> (aligned numpy buffer, TVM view of it), for inputs TVM cannot view
         self._staging: dict[str, tuple[np.ndarray, tvm.runtime.Tensor]] = {}
@@ -263,9 +263,6 @@ def _flatten(result, array_functions: tuple = _ARRAY_FUNCTIONS) -> list[tvm.runt
             values.extend(_flatten(item, array_functions))
     return values
 
-
-def _numpy_copy(tensor: tvm.runtime.Tensor) -> np.ndarray:
-    return tensor.numpy()
 
 
 @tvm_ffi.register_global_func(INDEX_ERROR_FUNCTION)
