@@ -66,7 +66,7 @@ class EmulatedServer:
     port: int
     tracker: str
     log: str
-    started_s: float  # seconds from launch until the tracker listed the key
+    started_s: float  # seconds from launch until the tracker listed the key (0 until then)
 
     def alive(self) -> bool:
         try:
@@ -204,14 +204,19 @@ def start(key: str, tracker: TrackerAddress, threads: int = 2, progress=print) -
         process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     progress(f"emulated-arm64: server pid {process.pid} on port {port}, registering as {key!r} with {tracker}")
+    # recorded at once, so that `stop(key)` finds it even if this process dies while it registers
+    record = _state_dir() / f"{key}-{port}.json"
+    server = EmulatedServer(key, process.pid, port, str(tracker), str(log), started_s=0.0)
+    record.write_text(json.dumps(asdict(server)))
     try:
         wait_for_key(tracker, key, minimum=devices_before + 1, timeout_s=SERVER_START_TIMEOUT_S,
                      alive=lambda: process.poll() is None)
     except DeviceError as err:
         stop_process_group(process.pid)
+        record.unlink(missing_ok=True)
         raise DeviceError(f"{err}; the server's log ({log}) ends with:\n{_tail(log)}") from None
-    server = EmulatedServer(key, process.pid, port, str(tracker), str(log), time.monotonic() - launched)
-    (_state_dir() / f"{key}-{port}.json").write_text(json.dumps(asdict(server)))
+    server.started_s = time.monotonic() - launched
+    record.write_text(json.dumps(asdict(server)))
     return server
 
 

@@ -5,7 +5,9 @@ The first run sets the device up (Debian packages, an aarch64 sysroot and TVM's 
 wheel, ~3 minutes; cached in ~/.cache/tightfit afterwards).
 """
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,14 +32,40 @@ from tightfit.testing import zoo
 # one pytest worker runs every device test: they share the RPC tracker's port range and the
 # emulated device's key
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rpc_devices")]
-KEY = "emulated-arm64-test"
+# A key of this test process's own. A run killed before its teardown leaves its server running,
+# and that server registers again with whatever tracker later takes the same port: under a shared
+# key it would be counted and handed out as this run's device.
+KEY_PREFIX = "emulated-arm64-test-"
+KEY = f"{KEY_PREFIX}{os.getpid()}"
 
 
 @pytest.fixture(scope="module")
 def arm64_device(tracker):
+    stop_servers_of_ended_runs()
     emulated.start(KEY, tracker)
     yield KEY
     emulated.stop(KEY)
+
+
+def stop_servers_of_ended_runs() -> list[str]:
+    """Stop the servers that test processes no longer running started; returns their keys."""
+    stopped = []
+    for server in emulated.running():
+        owner = server.key.removeprefix(KEY_PREFIX)
+        if server.key.startswith(KEY_PREFIX) and owner.isdigit() and not _process_exists(int(owner)):
+            emulated.stop(server.key)
+            stopped.append(server.key)
+    return stopped
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def test_zoo_model_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm64_device, tmp_path):
@@ -270,3 +298,27 @@ def test_starting_a_second_device_under_the_key_keeps_the_first(tracker, arm64_d
     while devices_under(tracker, KEY) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert devices_under(tracker, KEY) == 0
+
+
+def test_a_server_whose_test_run_was_killed_is_stopped_by_the_next_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))  # a state folder of this test's own
+    ended_run = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                               capture_output=True, text=True, check=True)
+    orphan_key = f"{KEY_PREFIX}{int(ended_run.stdout)}"
+    # stand-ins for servers, in their own process groups as emulated.start launches them
+    orphan = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    ours = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        for key, process, port in [(orphan_key, orphan, 9090), (KEY, ours, 9091)]:
+            server = emulated.EmulatedServer(key, process.pid, port, "127.0.0.1:9290", "", 0.0)
+            (emulated.cache_dir() / "servers").mkdir(parents=True, exist_ok=True)
+            (emulated.cache_dir() / "servers" / f"{key}-{port}.json").write_text(
+                json.dumps(dataclasses.asdict(server)))
+        assert stop_servers_of_ended_runs() == [orphan_key]
+        assert orphan.wait(timeout=10) is not None
+        assert ours.poll() is None
+        assert [server.key for server in emulated.running()] == [KEY]
+    finally:
+        for process in (orphan, ours):
+            process.kill()
+            process.wait()
