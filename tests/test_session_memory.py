@@ -5,6 +5,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
+from tightfit.feeds import run_onnxruntime
 
 
 def test_outputs_of_earlier_runs_keep_their_values(mlp_package):
@@ -113,3 +114,23 @@ def test_a_reshaped_result_is_handed_out_without_a_copy_unless_another_output_sh
     session.run({"x": -x})
     np.testing.assert_array_equal(outputs["z"], kept["z"])
     np.testing.assert_array_equal(kept["z"], np.maximum(x, 0).reshape(-1, 2))
+
+
+def test_a_tuple_of_outputs_is_read_the_same_way_in_every_run():
+    """After the first run shows a tuple of tensors, later runs read it by index alone."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Sigmoid", ["x"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = tightfit.compile(model).session()
+    runs = []
+    for rows in [2, 5, 1]:
+        x = np.random.default_rng(rows).standard_normal((rows, 3)).astype(np.float32)
+        runs.append((session.run({"x": x}), run_onnxruntime(model, {"x": x})))
+        assert session._tuple_of_outputs
+    for outputs, expected in runs:  # each run's outputs its own, left alone by the later runs
+        assert list(outputs) == ["y", "z"]
+        for name in outputs:
+            np.testing.assert_allclose(outputs[name], expected[name], rtol=1e-5, atol=1e-6)

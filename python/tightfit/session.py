@@ -65,6 +65,7 @@ class Session:
                                       np.ndarray | None]] = {}
         # the names, dtypes and shapes of the last feeds that passed check_feeds
         self._checked_feeds: tuple | None = None
+        self._tuple_of_outputs = False  # see _output_tensors
 
     @property
     def input_names(self) -> list[str]:
@@ -76,9 +77,24 @@ class Session:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the model; returns the outputs by ONNX output name, in the graph's order."""
-        values = _flatten(self._main(*self.prepare_inputs(feeds), *self.weights),
-                          self._array_functions)
-        return {name: hand_back(value) for (name, hand_back), value in zip(self._hand_back, values)}
+        result = self._main(*self.prepare_inputs(feeds), *self.weights)
+        if type(result) is tvm.runtime.Tensor:  # the one output (0.35 us of a 2.6 us run)
+            (name, hand_back), = self._hand_back
+            return {name: hand_back(result)}
+        return {name: hand_back(value)
+                for (name, hand_back), value in zip(self._hand_back, self._output_tensors(result))}
+
+    def _output_tensors(self, result) -> list[tvm.runtime.Tensor]:
+        """The tensors of a result that is not one tensor. The result's structure is the compiled
+        function's return type, the same in every run: once a host result has been a tuple of
+        exactly the outputs' tensors, later ones are read without asking the tuple's length and
+        each item's type (an FFI call and a check per output)."""
+        if self._tuple_of_outputs:
+            return [_ARRAY_GET_ITEM(result, index) for index in range(len(self._hand_back))]
+        values = _flatten(result, self._array_functions)
+        self._tuple_of_outputs = (self._on_host and isinstance(result, tvm_ffi.Array)
+                                  and all(isinstance(item, tvm.runtime.Tensor) for item in result))
+        return values
 
     def prepare_inputs(self, feeds: dict[str, np.ndarray]) -> list[tvm.runtime.Tensor]:
         """Check `feeds` against the model's inputs and place them on the device. Feeds with
@@ -242,6 +258,7 @@ def _feed_signature(feeds: dict) -> tuple | None:
 
 ARRAY_FUNCTION_NAMES = ("ffi.ArraySize", "ffi.ArrayGetItem")
 _ARRAY_FUNCTIONS = tuple(tvm_ffi.get_global_func(name) for name in ARRAY_FUNCTION_NAMES)
+_ARRAY_GET_ITEM = _ARRAY_FUNCTIONS[1]
 
 
 def _flatten(result, array_functions: tuple = _ARRAY_FUNCTIONS) -> list[tvm.runtime.Tensor]:
