@@ -121,3 +121,33 @@ def test_a_shape_returned_as_an_output_comes_back_as_int64_values():
         assert result["shape"].dtype == np.int64
         np.testing.assert_array_equal(result["shape"], expected["shape"])
         np.testing.assert_array_equal(result["y"], expected["y"])
+
+
+def test_inputs_that_fit_their_declarations_but_not_the_model_raise_an_input_error():
+    """Each input fits its declared dims, but a dim the model computes from them disagrees with
+    one it needs; TVM's own message named a Relax type and a heap register."""
+    import tightfit
+    from tightfit.testing import zoo
+
+    model = zoo.get("reshape_to_computed_shape").build()
+    session = tightfit.compile(model).session()
+    x = np.ones((3, 3, 16), np.float32)  # onnxruntime: cannot reshape {3,3,16} to {4,32}
+    with pytest.raises(InputError, match=r"cannot run on these inputs \(x 3x3x16\): inside it, "
+                                         r"axis 0 of a tensor is \d+ where the graph needs \d+"):
+        session.run({"x": x})
+    fits = np.random.default_rng(0).standard_normal((4, 10, 16)).astype(np.float32)
+    np.testing.assert_allclose(session.run({"x": fits})["y"], run_onnxruntime(model, {"x": fits})["y"],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_values_that_change_a_dim_the_model_needs_raise_an_input_error():
+    """nonzero_rows_tied multiplies the rows whose sum is not NaN by v, whose rows must match."""
+    import tightfit
+    from tightfit.testing import zoo
+
+    session = tightfit.compile(zoo.get("nonzero_rows_tied").build()).session()
+    x = np.ones((3, 4), np.float32)
+    x[1, 0] = np.nan
+    with pytest.raises(InputError, match=r"\(x 3x4, v 3x8\): inside it, axis 1 of a tensor is 2 "
+                                         r"where the graph needs 3.*the values do not"):
+        session.run({"x": x, "v": np.ones((3, 8), np.float32)})

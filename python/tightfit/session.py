@@ -17,6 +17,8 @@ own conversions cost ~11 us per input and ~5 us per output, more than some whole
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import tvm
 import tvm_ffi
@@ -77,7 +79,13 @@ class Session:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the model; returns the outputs by ONNX output name, in the graph's order."""
-        result = self._main(*self.prepare_inputs(feeds), *self.weights)
+        try:
+            result = self._main(*self.prepare_inputs(feeds), *self.weights)
+        except RuntimeError as err:
+            inner = _inner_shape_error(err, feeds)
+            if inner is None:
+                raise
+            raise inner from err
         if type(result) is tvm.runtime.Tensor:  # the one output (0.35 us of a 2.6 us run)
             (name, hand_back), = self._hand_back
             return {name: hand_back(result)}
@@ -247,6 +255,29 @@ def check_feeds(specs: list[TensorSpec], feeds: dict[str, np.ndarray]) -> None:
             if seen[0] != actual:
                 raise InputError(f"dim {declared} is {seen[0]} at {seen[1]} but {actual} at "
                                  f"{spec.name} axis {axis}; the model needs them equal")
+
+
+# TVM's VM when a dim computed inside the model disagrees with one bound earlier (the shape
+# checks that RDP's Merge and the importer leave in the graph): the value, the one expected,
+# the tensor's annotated type and the axis
+_INNER_SHAPE_CHECK = re.compile(r"\((-?\d+) vs\. (-?\d+)\) : ErrorContext\(match_cast, ty=(.*)\)"
+                                r"\s+match_cast error,\s+shape\[(\d+)\] mismatch")
+
+
+def _inner_shape_error(err: RuntimeError, feeds: dict[str, np.ndarray]) -> InputError | None:
+    """An InputError for a failed shape check inside the model, saying which inputs did it;
+    None for any other error. The inputs passed check_feeds: each fits its declaration, but
+    together they are shapes (or, where a dim depends on data, values) the graph cannot run."""
+    found = _INNER_SHAPE_CHECK.search(str(err))
+    if found is None:
+        return None
+    value, expected, annotation, axis = found.groups()
+    inputs = ", ".join(f"{name} {'x'.join(map(str, array.shape))}" for name, array in feeds.items())
+    return InputError(
+        f"the model cannot run on these inputs ({inputs}): inside it, axis {axis} of a tensor is "
+        f"{value} where the graph needs {expected} (the tensor {annotation}). The input shapes do "
+        "not fit the model, often a size its strides or reshapes do not divide evenly, or, where "
+        "a dim depends on the input values, the values do not")
 
 
 def _feed_signature(feeds: dict) -> tuple | None:
