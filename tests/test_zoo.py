@@ -1,9 +1,12 @@
 """Every zoo model compiles once and matches onnxruntime at each of its shapes."""
 
+import functools
 import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tightfit
 from tightfit.feeds import random_feeds, run_onnxruntime
@@ -42,6 +45,28 @@ def test_zoo_model_matches_onnxruntime_at_every_shape_with_one_package(name):
             assert ours[output].dtype == expected.dtype, (output, shapes)
             np.testing.assert_allclose(ours[output], expected, rtol=1e-4, atol=1e-4,
                                        err_msg=f"{name} {output} at {shapes}")
+
+
+@functools.cache
+def compiled_session(name: str):
+    return tightfit.compile(zoo.get(name).build()).session()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["conv_dynamic_hw", "grouped_convnet", "mobilenet_v2_style"])
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 3), height=st.integers(8, 72), width=st.integers(8, 72))
+def test_zoo_cnns_match_onnxruntime_at_drawn_image_sizes(name, batch, height, width):
+    """One package per CNN at image sizes its shape sets do not name: widths narrower and wider
+    than a vector, odd sizes at every stride, all through the kernels' run-time versions."""
+    model = zoo.get(name).build()
+    shape = (1 if name == "conv_dynamic_hw" else batch, 3, height, width)  # its batch is fixed
+    feeds = random_feeds(declared_inputs(model.graph), {"image": shape})
+    ours, reference = compiled_session(name).run(feeds), run_onnxruntime(model, feeds)
+    for output, expected in reference.items():
+        assert ours[output].shape == expected.shape, (output, shape)
+        np.testing.assert_allclose(ours[output], expected, rtol=1e-4, atol=1e-4,
+                                   err_msg=f"{name} {output} at {shape}")
 
 
 def test_gated_model_takes_both_branches():
