@@ -5,7 +5,9 @@ the weights live on the device and only inputs and outputs cross the connection.
 
 One session serves every input shape the model's symbolic dims allow, with no recompilation.
 Inputs are checked against the ONNX declaration before anything runs, so a wrong name, rank, dim
-or dtype is an InputError that says what the model expects.
+or dtype is an InputError that says what the model expects. Inputs that fit their declarations
+but not the graph (a size its strides do not divide evenly) fail a shape check inside the model
+while it runs, which is an InputError too, naming the inputs and the two dims that disagree.
 
 On the host, arrays cross into and out of the VM without copies where that is safe: an input
 that TVM can view (64-byte aligned, contiguous, writable) is passed as a view, any other is
@@ -257,9 +259,9 @@ def check_feeds(specs: list[TensorSpec], feeds: dict[str, np.ndarray]) -> None:
                                  f"{spec.name} axis {axis}; the model needs them equal")
 
 
-# TVM's VM when a dim computed inside the model disagrees with one bound earlier (the shape
-# checks that RDP's Merge and the importer leave in the graph): the value, the one expected,
-# the tensor's annotated type and the axis
+# What TVM's VM raises when a dim computed inside the model disagrees with one bound earlier
+# (the shape checks that RDP's Merge and the importer leave in the graph); the groups are the
+# value, the one expected, the tensor's annotated type and the axis
 _INNER_SHAPE_CHECK = re.compile(r"\((-?\d+) vs\. (-?\d+)\) : ErrorContext\(match_cast, ty=(.*)\)"
                                 r"\s+match_cast error,\s+shape\[(\d+)\] mismatch")
 
