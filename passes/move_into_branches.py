@@ -140,6 +140,11 @@ class Renamer(relax.PyExprMutator):
             return self.mapping[var]
         return super().visit_var_(var)  # a var this mutator bound anew
 
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
+        if var in self.mapping:
+            return self.mapping[var]
+        return super().visit_dataflow_var_(var)
+
 
 def _outline_branches(func: relax.Function, builder: relax.BlockBuilder) -> relax.Function:
     """`func` with each branch of two or more bindings and no `If` of its own made a call of a

@@ -18,18 +18,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-
-@relax.expr_functor.mutator
-class _Renamer(relax.PyExprMutator):
-    def __init__(self, renamed: dict):
-        super().__init__()
-        self.renamed = renamed
-
-    def visit_var_(self, var: relax.Var) -> relax.Expr:
-        return self.renamed.get(var, var)
-
-    def visit_dataflow_var_(self, var: relax.Var) -> relax.Expr:
-        return self.renamed.get(var, var)
+from .move_into_branches import Renamer
 
 
 def _segments(block: relax.DataflowBlock, bound: set) -> list[list]:
@@ -56,7 +45,7 @@ def _split(block: relax.DataflowBlock, bound: set) -> list[relax.DataflowBlock]:
     renamed = {binding.var: relax.Var(binding.var.name, binding.var.ty)
                for index, segment in enumerate(segments) for binding in segment
                if isinstance(binding.var, relax.DataflowVar) and binding.var in read_later[index]}
-    renamer = _Renamer(renamed)
+    renamer = Renamer(renamed)
     blocks = []
     for segment in segments:
         bindings = []
