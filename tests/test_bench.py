@@ -6,8 +6,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import time
 
-from tightfit.bench import (ModelBenchmark, ShapeTiming, _run_for, benchmark_model, markdown_table,
-                            quartile_spread, ratio_summary, run_job_io, run_worker)
+from tightfit.bench import (ModelBenchmark, ShapeTiming, _fmt, _run_for, benchmark_model,
+                            markdown_table, pool_start_us, quartile_spread, ratio_summary,
+                            run_job_io, run_worker)
 from tightfit.bench_loading import benchmark_loading
 from tightfit.testing import zoo
 
@@ -33,19 +34,28 @@ def test_three_engines_are_timed_at_every_shape_and_agree(mlp_model):
     assert f"mlp at x={'1x8' if ratios[0] >= ratios[1] else '7x8'}, {max(ratios):.3g}x" in table
     busy = sum(max(t.spread["tightfit"], t.spread["onnxruntime"]) >= 0.2 for t in result.shapes)
     assert f"{busy} of the shapes timed with a spread of 20% or more" in table
+    assert all(timing.pool_start_us > 0 for timing in result.shapes)
+    assert f"| {_fmt(result.shapes[0].pool_start_us)} |" in table
 
 
-def test_the_summary_counts_shapes_timed_on_a_busy_machine():
+def test_the_summary_counts_shapes_timed_on_a_busy_or_slow_machine():
     steady = ShapeTiming({"x": [1]}, median_ms={"tightfit": 1.0, "onnxruntime": 2.0},
-                         spread={"tightfit": 0.05, "onnxruntime": 0.1})
+                         spread={"tightfit": 0.05, "onnxruntime": 0.1}, pool_start_us=0.6)
     busy_ours = ShapeTiming({"x": [2]}, median_ms={"tightfit": 1.0, "onnxruntime": 2.0},
-                            spread={"tightfit": 0.4, "onnxruntime": 0.1})
+                            spread={"tightfit": 0.4, "onnxruntime": 0.1}, pool_start_us=7.0)
     busy_theirs = ShapeTiming({"x": [3]}, median_ms={"tightfit": 1.0, "onnxruntime": 4.0},
                               spread={"tightfit": 0.1, "onnxruntime": 0.2})
     result = ModelBenchmark("m", threads=2, repeat=4,
                             shapes=[steady, busy_ours, busy_theirs])
     line, = ratio_summary([result])
-    assert line.endswith("2 of the shapes timed with a spread of 20% or more.")
+    assert line.endswith("2 of the shapes timed with a spread of 20% or more, 1 while TVM's pool "
+                         "took 2 us or more to start a parallel loop.")
+
+
+def test_the_pool_start_probe_times_a_parallel_loop_against_a_serial_call():
+    """The probe's loop runs on the pool: it takes longer than a call that does nothing on the
+    calling thread (TVM's time evaluator, the same loop, ~0.01 us a call)."""
+    assert pool_start_us() > 0.05
 
 
 def test_spread_is_the_interquartile_range_over_the_median():

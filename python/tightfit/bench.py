@@ -10,7 +10,10 @@ net). After the pause every engine runs untimed for WARM_UP_PER_TURN_S (at least
 left idle comes back slowly, and one run was not enough (measured on this VM, both engines alike:
 after 0.1 s idle a 23 us model took 250 us, then 30-40 us for the next ten runs, and only after
 about 1 ms of runs its steady 23 us; mobilenet_v2_style at 2x3x96x80, 0.193 ms steady, still
-timed 0.222 ms after 10 ms of runs, and 0.194 ms after 50 or 200 ms). Engines:
+timed 0.222 ms after 10 ms of runs, and 0.194 ms after 50 or 200 ms). Before and after each
+shape's timed runs a probe times TVM's pool starting a parallel loop (`pool_start_us`): the host
+has slow stretches of minutes in which that takes 10x longer and every parallel kernel slows,
+which no spread shows when the whole shape falls inside one. Engines:
 - tightfit: `tightfit.compile` for the host;
 - onnxruntime: an InferenceSession with default session options (what its users get);
 - tvm-default: `from_onnx` + `tvm.compile(mod, target)` with TVM's default pipeline.
@@ -26,6 +29,7 @@ its reason, and the others are still measured.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -51,6 +55,10 @@ PAUSE_BETWEEN_ENGINES_S = 0.1
 WARM_UP_PER_TURN_S = 0.05
 # a spread (quartile_spread) from which a median mixes slow and fast periods of the machine
 BUSY_SPREAD = 0.2
+# TVM's pool starting a parallel loop (`pool_start_us`) from which a shape counts as timed in a
+# slow stretch of the host: 0.6 us on this project's 2-vCPU VM most of the time, 7 us in
+# stretches of minutes
+SLOW_POOL_START_US = 2.0
 
 
 @dataclass
@@ -60,6 +68,7 @@ class ShapeTiming:
     median_ms: dict[str, float] = field(default_factory=dict)
     spread: dict[str, float] = field(default_factory=dict)  # quartile_spread of the timed runs
     max_abs_error: float | None = None
+    pool_start_us: float | None = None  # the slower `pool_start_us` before and after the runs
 
 
 @dataclass
@@ -113,6 +122,7 @@ def benchmark_model(
             for run in runners.values():
                 run(feeds)
         samples: dict[str, list[float]] = {engine: [] for engine in runners}
+        pool_start_before = pool_start_us()
         for turn in range(ROUNDS):
             runs_this_turn = repeat // ROUNDS + (turn < repeat % ROUNDS)
             for engine, run in runners.items():
@@ -124,6 +134,7 @@ def benchmark_model(
                     samples[engine].append((time.perf_counter() - started) * 1e3)
         timing.median_ms = {engine: statistics.median(values) for engine, values in samples.items()}
         timing.spread = {engine: quartile_spread(values) for engine, values in samples.items()}
+        timing.pool_start_us = round(max(pool_start_before, pool_start_us()), 2)
         result.shapes.append(timing)
     if measure_memory and shape_sets:
         result.peak_rss_mb = _measure_peak_rss(proto, shape_sets[-1], result)
@@ -148,6 +159,40 @@ def _run_for(run: Callable, feeds: dict[str, np.ndarray], seconds: float) -> Non
     run(feeds)
     while time.perf_counter() < deadline:
         run(feeds)
+
+
+def pool_start_us() -> float:
+    """Microseconds TVM's pool takes to run a parallel loop with next to no work, one iteration
+    per thread (median of 5 x 200 calls): what any kernel pays for running in parallel. It moves
+    with the host, not with the model: on this project's 2-vCPU VM it was 0.6 us most of the
+    time and 7 us in stretches of minutes, during which parallel kernels ran 2-3x slower and
+    serial ones did not (conv_dynamic_hw at 1x3x64x20: 24 us, in such a stretch 36-46 us;
+    onnxruntime, whose pool waits on the same cores, slowed with it). The report states it per
+    shape, so that a ratio from a slow stretch can be told apart from a slow kernel."""
+    return statistics.median(_pool_start_timer()()) * 1e6
+
+
+@functools.cache
+def _pool_start_timer() -> Callable[[], list[float]]:
+    """Seconds per call of the probe loop, 5 times 200 calls (built once per process)."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from .target import resolve_target
+
+    threads = tvm_pool_threads()
+
+    @T.prim_func
+    def parallel_touch(values: T.Buffer((threads, 16), "float32")):
+        for thread in T.parallel(threads):
+            for lane in range(16):
+                values[thread, lane] = values[thread, lane] + T.float32(1)
+
+    library = tvm.compile(tvm.IRModule({"parallel_touch": parallel_touch}),
+                          target=resolve_target("host").tvm_target).mod
+    values = tvm.runtime.tensor(np.zeros((threads, 16), np.float32))
+    timer = library.time_evaluator("parallel_touch", tvm.cpu(), number=200, repeat=5)
+    return lambda: list(timer(values).results)
 
 
 def tvm_pool_threads() -> int:
@@ -325,8 +370,8 @@ def peak_rss_kib() -> int:
 def markdown_table(results: list[ModelBenchmark]) -> str:
     header = ("| model | shape | tightfit ms | onnxruntime ms | tvm-default ms | tightfit/ORT | "
               "tightfit/TVM | first run ms (tf / ORT / TVM) | spread (tf / ORT / TVM) | "
-              "max abs err |")
-    lines = [header, "|" + "---|" * 10]
+              "pool start us | max abs err |")
+    lines = [header, "|" + "---|" * 11]
     for result in results:
         for timing in result.shapes:
             ms = timing.median_ms
@@ -339,6 +384,7 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
                 _fmt(result.ratio(timing, "tvm-default"), "x"),
                 " / ".join(_fmt(first.get(engine)) for engine in ENGINES),
                 " / ".join(_percent(timing.spread.get(engine)) for engine in ENGINES),
+                _fmt(timing.pool_start_us),
                 "-" if timing.max_abs_error is None else f"{timing.max_abs_error:.1e}",
             ]) + " |")
     lines += ["", *ratio_summary(results)]
@@ -359,7 +405,10 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
               f"each turn a {PAUSE_BETWEEN_ENGINES_S * 1e3:g} ms pause and {WARM_UP_PER_TURN_S * 1e3:g} ms "
               "of untimed runs. Spread: the interquartile range of the timed runs over their "
               f"median; from {BUSY_SPREAD:.0%} the machine was busy in part of the run, and the "
-              "median mixes slow and fast periods."]
+              "median mixes slow and fast periods. Pool start: microseconds TVM's pool took to run "
+              "a parallel loop with next to no work, the slower of a probe before and after the "
+              f"shape's timed runs; from {SLOW_POOL_START_US:g} us the host was in a slow stretch, "
+              "in which every engine's parallel kernels slow down and serial ones do not."]
     return "\n".join(lines)
 
 
@@ -367,8 +416,9 @@ def ratio_summary(results: list[ModelBenchmark]) -> list[str]:
     """A line per other engine: the geometric mean of tightfit's time over its time, on every
     shape both engines ran, and the model whose worst shape is slowest against it (how the
     fast-kernels issue states its targets: each model within 1.5x of onnxruntime, the geomean
-    at or below it). It counts the shapes where either engine's spread reached BUSY_SPREAD: their
-    ratios come from a machine that was busy during part of the run."""
+    at or below it). It counts the shapes where either engine's spread reached BUSY_SPREAD, and
+    those timed while TVM's pool was slow to start (SLOW_POOL_START_US): their ratios come from
+    a machine that was busy or slow during part or all of the run."""
     lines = []
     for engine in ENGINES[1:]:
         ratios = [(ratio, result.model, timing) for result in results for timing in result.shapes
@@ -380,10 +430,13 @@ def ratio_summary(results: list[ModelBenchmark]) -> list[str]:
         shapes = "; ".join(f"{k}={'x'.join(map(str, v))}" for k, v in timing.shapes.items())
         busy = sum(max(timing.spread.get("tightfit", 0.0), timing.spread.get(engine, 0.0))
                    >= BUSY_SPREAD for _, _, timing in ratios)
+        slow_pool = sum((timing.pool_start_us or 0.0) >= SLOW_POOL_START_US
+                        for _, _, timing in ratios)
         lines.append(f"tightfit/{engine}: geomean {geomean:.3g}x over {len(ratios)} shapes of "
                      f"{len({model for _, model, _ in ratios})} models; slowest against it: "
                      f"{model} at {shapes}, {worst:.3g}x; {busy} of the shapes timed with a "
-                     f"spread of {BUSY_SPREAD:.0%} or more.")
+                     f"spread of {BUSY_SPREAD:.0%} or more, {slow_pool} while TVM's pool took "
+                     f"{SLOW_POOL_START_US:g} us or more to start a parallel loop.")
     return lines
 
 
