@@ -80,6 +80,9 @@ GROUPS_ANNOTATION = "tightfit.groups"
 DEPTHWISE_ROWS = 4
 # On a depthwise tiles block: its output rows.
 DEPTHWISE_ROWS_ANNOTATION = "tightfit.depthwise_rows"
+# On a depthwise tiles block: (kernel_h, kernel_w, stride_h, stride_w, pad_top, pad_left,
+# dilation_h, dilation_w), which direct_depthwise.py reads.
+DEPTHWISE_WINDOW_ANNOTATION = "tightfit.depthwise_window"
 # Padded input rows a thread packs at a time (_pack_in_row_blocks).
 PACKED_ROW_BLOCK = 1
 # A pointwise conv over many input channels runs in CHANNEL_VECTORS instead of ROW_TILES
@@ -676,9 +679,11 @@ def conv2d_depthwise(data: te.Tensor, weight: te.Tensor, strides, padding, dilat
         pixel = packed_input[n, c, oh * stride_h + ry * dil_h, tap % stride_w, ow + tap // stride_w]
         return te.sum(pixel * weight[c, 0, ry, rx], axis=[ry, rx])
 
+    window = [kernel_h, kernel_w, stride_h, stride_w, top, left, dil_h, dil_w]
     tiles = te.compute((batch, channels, tile_h, tile_w), tile_value, name="depthwise_tiles",
                        attrs={KERNEL_ANNOTATION: DEPTHWISE, ROWS_ANNOTATION: vector_width,
-                              DEPTHWISE_ROWS_ANNOTATION: rows, OUTPUT_ROW_AXIS_ANNOTATION: 3})
+                              DEPTHWISE_ROWS_ANNOTATION: rows, OUTPUT_ROW_AXIS_ANNOTATION: 3,
+                              DEPTHWISE_WINDOW_ANNOTATION: window})
     return te.compute((batch, channels, out_h, out_w), lambda n, c, h, w: tiles[n, c, h, w],
                       name="depthwise_out")
 

@@ -177,6 +177,20 @@ def join_versions(versions: list[tuple[object, tirx.PrimFunc]]) -> tirx.PrimFunc
     return tirx.transform.ConvertSSA()(tvm.IRModule({"main": func}))["main"]
 
 
+def run_first_where(func: tirx.PrimFunc, condition, body: tirx.Stmt) -> tirx.PrimFunc:
+    """`func` running `body` where `condition` holds and its own body elsewhere: a version built
+    as a statement (direct_depthwise.py) beside versions joined by `join_versions`, whose root
+    block allocates nothing (each version allocates under its own branch)."""
+    if isinstance(condition, tirx.IntImm):
+        return func.with_body(body) if condition.value else func
+    realize = func.body
+    root = realize.block
+    joined = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
+                          tirx.IfThenElse(condition, body, root.body), root.init,
+                          root.alloc_buffers, root.match_buffers, root.annotations)
+    return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, joined))
+
+
 def _with_fresh_intermediates(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` with new buffer objects for the intermediates allocated at its root, so that a
     version does not share them with the others (TIR allows one definition per buffer).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from . import conv2d, gemm, winograd
+from . import conv2d, direct_depthwise, gemm, winograd
 from .dispatch import (
     DEFAULT_MIN_PARALLEL_WORK,
     combine,
@@ -25,6 +25,7 @@ from .dispatch import (
     loop_work,
     parallel_buckets,
     row_buckets,
+    run_first_where,
 )
 from .fallback_cpu import has_root_block, is_scheduled, parallelize_outer_loops
 from .isa import VectorISA, isa_for_target
@@ -86,6 +87,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     kind = str(annotations[KERNEL_ANNOTATION])
     if kind in winograd.TRANSFORM_KERNELS:
         return _schedule_transform(base, block_name, annotations, isa, min_parallel_work)
+    narrow_rows = _direct_narrow_rows(base, block_name, annotations, isa, min_parallel_work)
     rows = int(annotations[ROWS_ANNOTATION])
     out_block = _single_consumer(base, base.get_sblock(block_name))
     out_buffer = base.get(out_block).writes[0].source
@@ -93,6 +95,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     versions = []
     version_buckets = row_buckets(row_extent, rows,
                                   SHORT_TILE_ROWS if kind in REGISTER_TILE_KERNELS else None)
+    if narrow_rows is not None:  # only rows wider than a vector are left to the packed kernel
+        version_buckets = [(version, None) for version, _ in version_buckets[:1]]
     if annotations.get(conv2d.CHANNEL_VECTORS_ANNOTATION):
         channels = int(base.get(base.get_sblock(block_name)).iter_vars[1].dom.extent)
         _, tile_pixels = conv2d.channel_vector_tile(isa, channels)
@@ -128,7 +132,24 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         if parallel:
             parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
         versions.append((condition, apply_rewrites(sch.mod["main"], rewrites)))
-    return join_versions(versions).with_attr("tirx.is_scheduled", True)
+    joined = join_versions(versions)
+    if narrow_rows is not None:
+        joined = run_first_where(joined, *narrow_rows)
+    return joined.with_attr("tirx.is_scheduled", True)
+
+
+def _direct_narrow_rows(base: s_tir.Schedule, block_name: str, annotations: dict,
+                        isa: VectorISA, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
+    """(condition, body) of a strided depthwise conv's direct kernel for output rows of at most
+    a vector (direct_depthwise.py), or None where that does not apply."""
+    if str(annotations[KERNEL_ANNOTATION]) != conv2d.DEPTHWISE:
+        return None
+    sch = base.copy()
+    tiles = sch.get_sblock(block_name)
+    window = [int(value) for value in annotations[conv2d.DEPTHWISE_WINDOW_ANNOTATION]]
+    return direct_depthwise.narrow_row_kernel(
+        sch, tiles, inline_epilogue(sch, _single_consumer(sch, tiles)), window, isa.lanes,
+        loop_work(base, MAC_KERNELS), min_parallel_work)
 
 
 def _schedule_transform(base: s_tir.Schedule, block_name: str, annotations: dict, isa: VectorISA,

@@ -1,0 +1,133 @@
+"""The direct depthwise kernel (schedules/direct_depthwise.py) takes a strided depthwise conv's
+output rows of at most a vector, matches onnxruntime for every window and map size on both sides
+of the run-time dispatches, and leaves to the packed kernel what it does not cover."""
+
+import re
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+import tightfit
+from tightfit.feeds import run_onnxruntime
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.target import resolve_target
+
+from conftest import THRESHOLDS
+from kernel_harness import threshold_database
+from test_row_kernels import scheduled_kernel
+
+CHANNELS = 5
+# (kernel, strides, pads top/left/bottom/right)
+WINDOWS = [
+    ((3, 3), (2, 2), (1, 1, 1, 1)),  # MobileNet's stride-2 layers
+    ((3, 3), (2, 2), (0, 0, 0, 0)),  # no padding: every load starts inside the row
+    ((5, 5), (2, 2), (2, 2, 2, 2)),  # EfficientNet's 5x5: three tap groups per row
+    ((3, 3), (3, 3), (1, 1, 1, 1)),  # three phases per load
+    ((3, 5), (1, 2), (1, 2, 0, 1)),  # uneven kernel, strides and pads
+]
+
+
+def depthwise_model(kernel, strides, pads, epilogue: str = "clip") -> onnx.ModelProto:
+    """A depthwise conv with a bias, then Clip(0, 6) (MobileNet's ReLU6) or Relu; or the sum of
+    two such convs of x (the second one's epilogue reads the first one's output along the row,
+    as a residual add does)."""
+    rng = np.random.default_rng(0)
+    initializers = [
+        numpy_helper.from_array(rng.standard_normal((CHANNELS, 1, *kernel)).astype(np.float32), name)
+        for name in ("w", "w2")] + [
+        numpy_helper.from_array(rng.standard_normal(CHANNELS).astype(np.float32), "b"),
+        numpy_helper.from_array(np.array(0, np.float32), "low"),
+        numpy_helper.from_array(np.array(6, np.float32), "high")]
+    conv = {"kernel_shape": kernel, "strides": strides, "pads": pads, "group": CHANNELS}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], **conv)]
+    if epilogue == "clip":
+        nodes.append(helper.make_node("Clip", ["conv", "low", "high"], ["y"]))
+    elif epilogue == "relu":
+        nodes.append(helper.make_node("Relu", ["conv"], ["y"]))
+    else:
+        nodes += [helper.make_node("Conv", ["x", "w2"], ["other"], **conv),
+                  helper.make_node("Add", ["other", "conv"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "depthwise",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", CHANNELS, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", CHANNELS, "oh", "ow"])],
+        initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture(scope="module")
+def compiled_windows(tmp_path_factory) -> list[dict]:
+    """For each window, its model and a session compiled for each side of the work `if`."""
+    directory = tmp_path_factory.mktemp("knobs")
+    databases = {side: threshold_database(directory / f"{side}.json", threshold)
+                 for side, threshold in THRESHOLDS.items()}
+    compiled = []
+    for index, window in enumerate(WINDOWS):
+        model = depthwise_model(*window, epilogue="relu" if index % 2 else "clip")
+        compiled.append({"model": model, **{
+            side: tightfit.compile(model, options=PipelineOptions(knob_database=database)).session()
+            for side, database in databases.items()}})
+    return compiled
+
+
+def test_narrow_rows_of_a_strided_depthwise_conv_read_the_input_directly(knob_database):
+    """The kernel holds the direct version (its sums, masked loads of the input) beside the
+    packed one for wider rows; a stride-1 conv keeps the packed kernel only."""
+    strided = scheduled_kernel(depthwise_model(*WINDOWS[0]), "depthwise", knob_database)
+    assert "depthwise_sums" in strided and re.search(r'T\.masked_load\("float32x\d+", x,', strided)
+    assert "depthwise_input_phases" in strided
+    unit_stride = scheduled_kernel(depthwise_model((3, 3), (1, 1), (1, 1, 1, 1)), "depthwise",
+                                   knob_database)
+    assert "depthwise_sums" not in unit_stride
+
+
+def test_an_epilogue_that_reads_along_the_row_keeps_the_packed_kernel(knob_database):
+    """The conv whose epilogue adds the other conv's output reads that output at every column:
+    masked lanes would read past its row, so the packed kernel, whose write-back handles any
+    epilogue, keeps those rows; the other conv (bias only) reads its narrow rows directly."""
+    model = depthwise_model(*WINDOWS[0], epilogue="add")
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                                PipelineOptions(knob_database=knob_database),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    kernels = [func.script() for global_var, func in scheduled.functions.items()
+               if "depthwise" in global_var.name_hint]
+    adds_the_other = [re.search(r"depthwise_tiles\[[^]]*\] \+ \w+\[v_n, v_c, v_h, v_w\]", kernel)
+                      is not None for kernel in kernels]
+    assert sorted(adds_the_other) == [False, True]
+    for kernel, adds in zip(kernels, adds_the_other):
+        assert ("depthwise_sums" in kernel) != adds
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, CHANNELS, 9, 7)).astype(np.float32)}
+    np.testing.assert_allclose(tightfit.compile(model).session().run(feeds)["y"],
+                               run_onnxruntime(model, feeds)["y"], rtol=1e-5, atol=1e-5)
+
+
+@given(window=st.integers(0, len(WINDOWS) - 1), batch=st.integers(1, 2),
+       height=st.integers(1, 24), width=st.integers(1, 45), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=40, deadline=None)
+def test_direct_depthwise_matches_onnxruntime_at_any_map_size(compiled_windows, window, batch,
+                                                              height, width, seed):
+    """Rows narrower than a vector (the direct kernel: masked vectors only, or a left-padding
+    vector, plain ones and a masked end) and wider ones (the packed kernel), serial and
+    parallel, each checked against onnxruntime."""
+    kernel, _, pads = WINDOWS[window]
+    assume(height + pads[0] + pads[2] >= kernel[0] and width + pads[1] + pads[3] >= kernel[1])
+    feeds = {"x": np.random.default_rng(seed).standard_normal((batch, CHANNELS, height, width))
+             .astype(np.float32)}
+    compiled = compiled_windows[window]
+    expected = run_onnxruntime(compiled["model"], feeds)["y"]
+    for side in THRESHOLDS:
+        np.testing.assert_allclose(compiled[side].run(feeds)["y"], expected, rtol=1e-5,
+                                   atol=1e-5, err_msg=f"{side}, window {WINDOWS[window]}")
+
+
+def test_direct_depthwise_compiles_for_arm64_neon_in_four_lane_vectors():
+    arm64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
+    model = depthwise_model(*WINDOWS[0])
+    kernel = scheduled_kernel(model, "depthwise", target=arm64)
+    assert "depthwise_sums" in kernel and "T.Ramp(T.int64(0), T.int64(1), 4)" in kernel
+    assert tightfit.compile(model, target=arm64).executable is not None
