@@ -1,27 +1,35 @@
-"""Strided depthwise convs read straight from their input, a vector of output columns at a time
-(issue 5: several versions per hot op; SoD2 §4.4.2's multi-version code).
+"""Narrow output rows of strided depthwise convs, read straight from the input a vector of
+output columns at a time (issue 5: several versions per hot op, for small and large spatial
+extents; SoD2 §4.4.2's multi-version code).
 
 The packed depthwise kernel (conv2d.py) first copies each channel padded and split into column
-phases, then sums vectors of the copy. At stride 2 that copy costs about as much as the sum,
-and on maps narrower than a vector most of each vector is padding: MobileNetV2's stride-2
-depthwise layers at 2x3x160x128 took 215 us in a run where onnxruntime's took 92 us (576
-channels from 10x8 to 5x4: 64 against 9 us).
+phases, then sums vectors of the copy in tiles of 4 rows x a vector of columns. On rows of at
+most a vector the copy costs as much as the sums, and the tiles' rows past the map's end are
+computed too: MobileNetV2's stride-2 depthwise layers at 2x3x160x128 took 215 us in a run
+where onnxruntime's took 92 us (576 channels from 10x8 to 5x4: 64 against 9 us).
 
 Here each output row is built as the max pool kernel (pool_kernels.py) builds its rows, with
 multiply-adds in place of maxima: for a vector of L output columns starting at `ow`, tap
 (ry, rx) reads input row oh * stride - pad + ry at columns ow * stride - pad + rx + stride * l
 (l < L). Taps q * stride + r share one load of stride * L contiguous columns and take lanes r,
-r + stride, ... of it by a shuffle. Vectors whose loads stay inside the row load plainly; the
-left edge under padding, the right edge and rows narrower than a vector load with a mask, the
-lanes outside the row reading nothing and counting zero (the padding). The last whole vector is
-shifted back over the one before where the row is not a whole number of vectors. Tap rows
-outside the input are skipped with a check per row. The fused epilogue (bias, ReLU6) is applied
-to the sums as the packed kernel's write-back applies it, lane by lane in a vectorized loop,
-and stored with a mask where the vector passes the row's end.
+r + stride, ... of it by a shuffle. The row's vectors start at column 0: those whose loads
+stay inside the input row load plainly, the others (the left padding, the right edge, a row
+narrower than a vector) load with a mask, the lanes outside the row reading nothing and
+counting zero (the padding), and store only the columns inside the output row. Tap rows outside
+the input are skipped with a check per row. The fused epilogue (bias, ReLU6) is applied to the
+sums lane by lane in a vectorized loop, as the packed kernel's write-back applies it.
 
-Used for depthwise convs of stride 2 or more and dilation 1 whose epilogue reads, besides the
-sums, only values that do not change along a row (a bias per channel, constants); the others
-keep the packed kernel, whose write-back handles any epilogue.
+Where: depthwise convs of stride 2 or more and dilation 1 whose epilogue reads, besides the
+sums, only values that do not change along a row (a bias per channel, constants), on output
+rows of at most one vector (a run-time `if` on the width; wider rows keep the packed kernel),
+for ISAs whose masked loads are fast (isa.VectorISA.fast_masks: AVX-512).
+Measured in one process, 2 threads: per layer alone, packed -> direct, 576 x 10x8 -> 5x4
+36.5 -> 21.8 us, 192 x 20x16 -> 10x8 29.5 -> 15.4 us, 144 x 40x32 -> 20x16 38.4 -> 28.2 us;
+but 96 x 80x64 -> 40x32 (two vectors a row) 67.9 -> 77.3 us, where the packed copy, made
+once per input row, costs less than the direct kernel's three shuffles per tap row and output
+vector; and at stride 1 the packed tiles share each input row's loads among 4 output rows
+(384 x 10x8 15.5 -> 19.0 us direct). Whole MobileNetV2, variants in turns: 2192 -> 2097 us
+at 2x3x160x128, 2322 -> 2264 us at 1x3x224x224.
 Planes (image x channel) run in parallel above the parallel threshold (dispatch.py).
 """
 
@@ -136,14 +144,16 @@ def _with_sum(expr, tiles: tirx.Buffer, summed, loads: list | None = None):
             a, b = rebuild(node.a), rebuild(node.b)
             return None if a is None or b is None else type(node)(a, b)
         if isinstance(node, tirx.Select):
-            parts = [rebuild(part) for part in (node.condition, node.true_value, node.false_value)]
-            return None if None in parts else tirx.Select(*parts)
+            parts = [rebuild(part)
+                     for part in (node.condition, node.true_value, node.false_value)]
+            return None if any(part is None for part in parts) else tirx.Select(*parts)
         if isinstance(node, tirx.Cast):
             value = rebuild(node.value)
             return None if value is None else tirx.Cast(node.ty, value)
         if isinstance(node, tvm.ir.expr.Call):
             args = [rebuild(arg) for arg in node.args]
-            return None if None in args else tirx.call_intrin(node.ty, node.op, *args)
+            return (None if any(arg is None for arg in args)
+                    else tirx.call_intrin(node.ty, node.op, *args))
         return None
 
     return rebuild(expr)

@@ -37,6 +37,10 @@ class VectorISA:
     # whether a multiply-add takes its broadcast scalar from memory (AVX-512's embedded
     # broadcast, NEON's by-element multiply-add) rather than from a vbroadcastss of its own
     fma_reads_broadcast: bool
+    # whether masked vector loads and stores cost what plain ones do (AVX-512's mask
+    # registers); NEON has none (LLVM loads and stores lane by lane) and AVX2's vmaskmovps is
+    # slow on AMD Zen (row_chunks.py)
+    fast_masks: bool = False
 
     def fits_registers(self, rows: int, vectors: int) -> bool:
         """Does a rows x vectors accumulator tile fit in registers, with its B vectors and one A
@@ -45,7 +49,7 @@ class VectorISA:
         return rows * vectors + vectors + 1 <= self.registers and tile_bytes < MAX_STACK_ALLOCA_BYTES
 
 
-AVX512 = VectorISA("avx512", lanes=16, registers=32, fma_reads_broadcast=True)
+AVX512 = VectorISA("avx512", lanes=16, registers=32, fma_reads_broadcast=True, fast_masks=True)
 AVX2 = VectorISA("avx2", lanes=8, registers=16, fma_reads_broadcast=False)
 NEON = VectorISA("neon", lanes=4, registers=32, fma_reads_broadcast=True)
 SSE = VectorISA("sse", lanes=4, registers=16, fma_reads_broadcast=False)

@@ -141,8 +141,9 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
 def _direct_narrow_rows(base: s_tir.Schedule, block_name: str, annotations: dict,
                         isa: VectorISA, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
     """(condition, body) of a strided depthwise conv's direct kernel for output rows of at most
-    a vector (direct_depthwise.py), or None where that does not apply."""
-    if str(annotations[KERNEL_ANNOTATION]) != conv2d.DEPTHWISE:
+    a vector (direct_depthwise.py), or None where that does not apply. Only where masked loads
+    are fast: its edge vectors are masked, and with NEON's 4 lanes few rows are narrow."""
+    if str(annotations[KERNEL_ANNOTATION]) != conv2d.DEPTHWISE or not isa.fast_masks:
         return None
     sch = base.copy()
     tiles = sch.get_sblock(block_name)
