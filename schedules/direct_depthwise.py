@@ -1,35 +1,39 @@
-"""Narrow output rows of strided depthwise convs, read straight from the input a vector of
-output columns at a time (issue 5: several versions per hot op, for small and large spatial
-extents; SoD2 §4.4.2's multi-version code).
+"""Depthwise convs over narrow maps, read straight from the input (issue 5: several versions
+per hot op, for small and large spatial extents; SoD2 §4.4.2's multi-version code).
 
 The packed depthwise kernel (conv2d.py) first copies each channel padded and split into column
-phases, then sums vectors of the copy in tiles of 4 rows x a vector of columns. On rows of at
-most a vector the copy costs as much as the sums, and the tiles' rows past the map's end are
-computed too: MobileNetV2's stride-2 depthwise layers at 2x3x160x128 took 215 us in a run
-where onnxruntime's took 92 us (576 channels from 10x8 to 5x4: 64 against 9 us).
+phases, then sums vectors of the copy in tiles of 4 rows x a vector of columns. On maps of at
+most a vector's width the copy costs as much as the sums, most lanes of each vector are
+padding, and the tiles' rows past the map's end are computed too: MobileNetV2's depthwise layers
+at 2x3x160x128 (maps down to 5x4) took 574 us in a run where onnxruntime's took 375 us (576
+channels from 10x8 to 5x4 at stride 2: 64 against 9 us; 960 channels at 5x4: 29 against 12).
+Two direct kernels take those maps, each a run-time version beside the packed kernel's:
 
-Here each output row is built as the max pool kernel (pool_kernels.py) builds its rows, with
-multiply-adds in place of maxima: for a vector of L output columns starting at `ow`, tap
-(ry, rx) reads input row oh * stride - pad + ry at columns ow * stride - pad + rx + stride * l
-(l < L). Taps q * stride + r share one load of stride * L contiguous columns and take lanes r,
-r + stride, ... of it by a shuffle. The row's vectors start at column 0: those whose loads
-stay inside the input row load plainly, the others (the left padding, the right edge, a row
-narrower than a vector) load with a mask, the lanes outside the row reading nothing and
-counting zero (the padding), and store only the columns inside the output row. Tap rows outside
-the input are skipped with a check per row. The fused epilogue (bias, ReLU6) is applied to the
-sums lane by lane in a vectorized loop, as the packed kernel's write-back applies it.
+- Strided convs, output rows of at most a vector (`_DirectDepthwise`): each output row is
+  built as the max pool kernel (pool_kernels.py) builds its rows, with multiply-adds in place
+  of maxima. For a vector of L output columns starting at `ow`, tap (ry, rx) reads input row
+  oh * stride - pad + ry at columns ow * stride - pad + rx + stride * l (l < L); taps
+  q * stride + r share one load of stride * L contiguous columns and take lanes r, r + stride,
+  ... of it by a shuffle. The row's vectors start at column 0: those whose loads stay inside
+  the input row load plainly, the others (the left padding, the right edge, a row narrower
+  than a vector) load with a mask, the lanes outside the row reading nothing and counting zero
+  (the padding), and store only the columns inside the output row. Tap rows outside the input
+  are skipped with a check per row.
+- Unit-stride convs that keep the map's size, planes narrower than a vector (`_FlatPlane`):
+  vectors run over the plane's pixels flattened row after row (below).
 
-Where: depthwise convs of stride 2 or more and dilation 1 whose epilogue reads, besides the
-sums, only values that do not change along a row (a bias per channel, constants), on output
-rows of at most one vector (a run-time `if` on the width; wider rows keep the packed kernel),
-for ISAs whose masked loads are fast (isa.VectorISA.fast_masks: AVX-512).
-Measured in one process, 2 threads: per layer alone, packed -> direct, 576 x 10x8 -> 5x4
-36.5 -> 21.8 us, 192 x 20x16 -> 10x8 29.5 -> 15.4 us, 144 x 40x32 -> 20x16 38.4 -> 28.2 us;
-but 96 x 80x64 -> 40x32 (two vectors a row) 67.9 -> 77.3 us, where the packed copy, made
-once per input row, costs less than the direct kernel's three shuffles per tap row and output
-vector; and at stride 1 the packed tiles share each input row's loads among 4 output rows
-(384 x 10x8 15.5 -> 19.0 us direct). Whole MobileNetV2, variants in turns: 2192 -> 2097 us
-at 2x3x160x128, 2322 -> 2264 us at 1x3x224x224.
+Both apply the fused epilogue (bias, ReLU6) to the sums lane by lane in a vectorized loop, as
+the packed kernel's write-back applies it, and are used where that epilogue reads, besides the
+sums, only values that do not change along a row (the flat kernel: along the plane), with
+dilation 1, for ISAs whose masked loads are fast (isa.VectorISA.fast_masks: AVX-512; NEON's
+4-lane rows are seldom narrow). Measured in one process, 2 threads, per layer alone at batch 2,
+packed -> direct: 576 x 10x8 -> 5x4 36.5 -> 21.8 us, 192 x 20x16 -> 10x8 29.5 -> 15.4 us,
+144 x 40x32 -> 20x16 38.4 -> 28.2 us; 960 x 5x4 21.7 -> 17.3 us, 384 x 10x8 15.5 -> 13.4 us,
+576 x 10x8 and 960 x 7x7 unchanged. Wider rows keep the packed kernel: at stride 2 with two
+vectors a row (96 x 80x64 -> 40x32) direct took 77.3 us against 67.9, the packed copy, made
+once per input row, costing less than three shuffles per tap row and output vector; at stride
+1 the packed tiles share each input row's loads among 4 output rows. Whole MobileNetV2,
+variants in turns: 2269-2315 -> 2079-2085 us at 2x3x160x128, 1x3x224x224 within 1%.
 Planes (image x channel) run in parallel above the parallel threshold (dispatch.py).
 """
 
@@ -46,19 +50,15 @@ from .register_tile import STAGE_ANNOTATION
 from .row_chunks import substitute
 from .tail_tiles import uses_any
 
-# The smallest column stride read directly; at stride 1 the packed kernel's tiles of 4 rows
-# share their input rows' loads, which a row at a time does not.
-MIN_DIRECT_STRIDE = 2
-
-
 def narrow_row_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], lanes: int,
                       work, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
-    """(where it runs: output rows of at most `lanes` columns, the direct kernel's body) for the
-    depthwise kernel function `sch` schedules (its tiles block `tiles`, the packing stage before
-    it, the write-back `out_block` after it with the epilogue inlined), or None where it does not
-    apply (see the module docstring)."""
+    """(where it runs, the body) of a direct kernel for the narrow maps of the depthwise kernel
+    function `sch` schedules (its tiles block `tiles`, the packing stage before it, the
+    write-back `out_block` after it with the epilogue inlined), or None where none applies (see
+    the module docstring): strided convs read rows of at most `lanes` output columns directly,
+    unit-stride convs that keep the map's size take planes narrower than `lanes` flat."""
     kernel_h, kernel_w, stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w = window
-    if stride_w < MIN_DIRECT_STRIDE or (dilation_h, dilation_w) != (1, 1):
+    if (dilation_h, dilation_w) != (1, 1):
         return None
     packing = [block for block in sch.get_producers(tiles)
                if STAGE_ANNOTATION in sch.get(block).annotations]
@@ -78,10 +78,21 @@ def narrow_row_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], 
     epilogue = _row_invariant_epilogue(sch.get(out_block), tiles_buffer)
     if epilogue is None:
         return None
-    kernel = _DirectDepthwise(data, weight, epilogue, window, lanes)
+    analyzer = tvm.sym.Analyzer()
+    if stride_w >= 2:
+        kernel = _DirectDepthwise(data, weight, epilogue, window, lanes)
+        narrow = analyzer.simplify(kernel.out_width <= lanes)
+    else:
+        _, _, height, width = data.shape
+        _, _, out_height, out_width = epilogue.out.shape
+        if (stride_h != 1 or not epilogue.plane_invariant()
+                or not analyzer.can_prove_equal(out_height, height)
+                or not analyzer.can_prove_equal(out_width, width)):
+            return None
+        kernel = _FlatPlane(data, weight, epilogue, window, lanes)
+        narrow = analyzer.simplify(width < lanes)
     versions = [(condition, kernel.loop(parallel))
                 for parallel, condition in parallel_buckets(work, min_parallel_work)]
-    narrow = tvm.sym.Analyzer().simplify(kernel.out_width <= lanes)
     return narrow, nested_ifs(versions)
 
 
@@ -94,6 +105,11 @@ class _Epilogue:
         self.value = store.value
         self.iterators = iterators
         self.tiles = tiles
+
+    def plane_invariant(self) -> bool:
+        """Whether the value depends on the row and column only through the sum."""
+        return not uses_any(_with_sum(self.value, self.tiles, tirx.FloatImm("float32", 0.0)),
+                            self.iterators[2:])
 
     def at(self, image, channel, row, column, summed) -> tirx.PrimExpr:
         """The value stored at (image, channel, row, column) for the sum `summed` there."""
@@ -289,6 +305,114 @@ class _DirectDepthwise:
 
     def _lanes(self, start, count: int):
         return tirx.Ramp(start, self._int(1), count)
+
+    def _int(self, value: int):
+        return tirx.const(value, self.index_type)
+
+
+class _FlatPlane:
+    """The loop nest of one unit-stride depthwise conv over planes narrower than a vector, whose
+    output is the size of its input (one version of it): planes, then vectors of the plane's
+    pixels flattened row after row, whatever rows they span.
+
+    With stride 1 and the map's own size, output pixel p = row x W + column reads tap (ry, rx)
+    at flat input pixel p + (ry - pad_top) x W + (rx - pad_left): every tap of a vector of
+    pixels is one contiguous (masked) load. A tap whose column leaves the row would read the
+    neighbouring row's edge instead of the padding; a mask on the lanes' columns drops it (each
+    lane's column is p mod W, computed in floats: x86 has no vector integer division). A tap
+    row above or below the map falls outside the flat plane, and the load's mask drops it.
+    Packed, a 5x4 map filled 8 rows of 16-lane tiles; flat, its 20 pixels fill two vectors."""
+
+    def __init__(self, data: tirx.Buffer, weight: tirx.Buffer, epilogue: _Epilogue,
+                 window: list[int], lanes: int):
+        batch, channels, self.height, self.width = data.shape
+        self.index_type = self.width.ty.dtype
+        self.pixels = self.height * self.width
+        self.data, self.out = (
+            tirx.decl_buffer((batch * channels, self.pixels), buffer.dtype, f"{buffer.name}_flat",
+                             data=buffer.data)
+            for buffer in (data, epilogue.out))
+        self.sources = (data, epilogue.out)
+        self.planes = batch * channels
+        self.channels = channels
+        self.weight, self.epilogue = weight, epilogue
+        self.kernel_h, self.kernel_w, _, _, self.pad_top, self.pad_left = window[:6]
+        self.lanes = lanes
+        self.plane = tirx.Var("plane", self.index_type)
+
+    def loop(self, parallel: bool) -> tirx.Stmt:
+        kind = tirx.ForKind.PARALLEL if parallel else tirx.ForKind.SERIAL
+        lanes = self.lanes
+        sums = tirx.decl_buffer((lanes,), "float32", "depthwise_sums", scope="global")
+        values = tirx.decl_buffer((lanes,), self.out.dtype, "depthwise_values", scope="global")
+        vector = tirx.Var("pixel_vector", self.index_type)
+        vectors = tirx.For(vector, self._int(0), tirx.floordiv(self.pixels + lanes - 1, lanes),
+                           tirx.ForKind.SERIAL,
+                           self._vector_output(vector * lanes, sums, values))
+        planes = tirx.For(self.plane, self._int(0), self.planes, kind,
+                          tirx.SeqStmt([tirx.AllocBuffer(sums), tirx.AllocBuffer(values),
+                                        vectors]))
+        views = [tirx.DeclBuffer(view, data=source.data)
+                 for view, source in zip((self.data, self.out), self.sources)]
+        return tirx.SeqStmt(views + [planes])
+
+    def _vector_output(self, start, sums: tirx.Buffer, values: tirx.Buffer) -> tirx.Stmt:
+        """The pixels start .. start + lanes - 1 of the plane (those inside it stored)."""
+        lanes = self.lanes
+        whole = tirx.Ramp(self._int(0), self._int(1), lanes)
+        offsets = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
+
+        def lanes_of(value):
+            return tirx.Broadcast(tirx.Cast("int32", value), lanes)
+
+        def floats_of(value):
+            return tirx.Broadcast(tirx.Cast("float32", value), lanes)
+
+        # each lane's row and column, in floats (exact for planes under 2^22 pixels); the
+        # lane offsets converted apart from the start stay a constant vector
+        pixels = tirx.Cast(f"float32x{lanes}", offsets) + floats_of(start)
+        rows = tirx.floor((pixels + floats_of(tirx.const(0.5, "float32")))
+                          * floats_of(tirx.const(1.0, "float32")
+                                      / tirx.Cast("float32", self.width)))
+        columns = tirx.Cast(f"int32x{lanes}", pixels - rows * floats_of(self.width))
+        rows = tirx.Cast(f"int32x{lanes}", rows)
+        tap_row = tirx.Var("tap_row", self.index_type)
+        shift_row = tap_row - self.pad_top
+        # the tap row inside the map (which also drops the lanes past the plane's end)
+        row_inside = tirx.And(rows >= lanes_of(-shift_row),
+                              rows < lanes_of(self.height - shift_row))
+        channel = tirx.floormod(self.plane, self.channels)
+        products = []
+        for tap_column in range(self.kernel_w):
+            shift = tap_column - self.pad_left
+            inside = row_inside
+            if shift < 0:
+                inside = tirx.And(inside, columns >= lanes_of(self._int(-shift)))
+            elif shift > 0:
+                inside = tirx.And(inside, columns < lanes_of(self.width - shift))
+            first = start + shift_row * self.width + shift
+            loaded = tirx.Select(inside, masked_load(
+                f"float32x{lanes}", self.data, self.plane,
+                tirx.Ramp(first, self._int(1), lanes), inside),
+                tirx.Broadcast(tirx.const(0, "float32"), lanes))
+            weight = tirx.BufferLoad(self.weight, [channel, self._int(0), tap_row,
+                                                   self._int(tap_column)])
+            products.append(loaded * tirx.Broadcast(weight, lanes))
+        summed = functools.reduce(lambda total, product: total + product, products,
+                                  tirx.BufferLoad(sums, [whole]))
+        lane = tirx.Var("lane", self.index_type)
+        value = self.epilogue.at(tirx.floordiv(self.plane, self.channels), channel,
+                                 self._int(0), self._int(0), tirx.BufferLoad(sums, [lane]))
+        return tirx.SeqStmt([
+            tirx.BufferStore(sums, tirx.Broadcast(tirx.const(0, "float32"), lanes), [whole]),
+            tirx.For(tap_row, self._int(0), self._int(self.kernel_h), tirx.ForKind.SERIAL,
+                     tirx.BufferStore(sums, summed, [whole])),
+            tirx.For(lane, self._int(0), self._int(lanes), tirx.ForKind.VECTORIZED,
+                     tirx.BufferStore(values, value, [lane])),
+            tirx.Evaluate(masked_store(self.out, tirx.BufferLoad(values, [whole]), self.plane,
+                                       tirx.Ramp(start, self._int(1), lanes),
+                                       offsets < lanes_of(self.pixels - start))),
+        ])
 
     def _int(self, value: int):
         return tirx.const(value, self.index_type)

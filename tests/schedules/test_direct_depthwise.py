@@ -1,6 +1,7 @@
-"""The direct depthwise kernel (schedules/direct_depthwise.py) takes a strided depthwise conv's
-output rows of at most a vector, matches onnxruntime for every window and map size on both sides
-of the run-time dispatches, and leaves to the packed kernel what it does not cover."""
+"""The direct depthwise kernels (schedules/direct_depthwise.py) take a strided depthwise conv's
+output rows of at most a vector and a unit-stride one's planes narrower than a vector, match
+onnxruntime for every window and map size on both sides of the run-time dispatches, and leave to
+the packed kernel what they do not cover."""
 
 import re
 
@@ -29,6 +30,8 @@ WINDOWS = [
     ((5, 5), (2, 2), (2, 2, 2, 2)),  # EfficientNet's 5x5: three tap groups per row
     ((3, 3), (3, 3), (1, 1, 1, 1)),  # three phases per load
     ((3, 5), (1, 2), (1, 2, 0, 1)),  # uneven kernel, strides and pads
+    ((3, 3), (1, 1), (1, 1, 1, 1)),  # MobileNet's unit-stride layers: narrow planes read flat
+    ((5, 3), (1, 1), (2, 1, 2, 1)),  # an uneven kernel keeping the map's size, flat too
 ]
 
 
@@ -75,15 +78,20 @@ def compiled_windows(tmp_path_factory) -> list[dict]:
     return compiled
 
 
-def test_narrow_rows_of_a_strided_depthwise_conv_read_the_input_directly(knob_database):
-    """The kernel holds the direct version (its sums, masked loads of the input) beside the
-    packed one for wider rows; a stride-1 conv keeps the packed kernel only."""
+def test_narrow_maps_of_a_depthwise_conv_are_read_directly(knob_database):
+    """A strided conv's kernel holds the direct version (its sums, masked loads of the input)
+    beside the packed one for wider rows; a unit-stride conv keeping the map's size, the flat
+    version over the plane's pixels; a unit-stride conv that shrinks the map, the packed
+    kernel only."""
     strided = scheduled_kernel(depthwise_model(*WINDOWS[0]), "depthwise", knob_database)
     assert "depthwise_sums" in strided and re.search(r'T\.masked_load\("float32x\d+", x,', strided)
     assert "depthwise_input_phases" in strided
-    unit_stride = scheduled_kernel(depthwise_model((3, 3), (1, 1), (1, 1, 1, 1)), "depthwise",
-                                   knob_database)
-    assert "depthwise_sums" not in unit_stride
+    same_size = scheduled_kernel(depthwise_model(*WINDOWS[5]), "depthwise", knob_database)
+    assert "depthwise_sums" in same_size and "pixel_vector" in same_size
+    assert "depthwise_input_phases" in same_size
+    shrinking = scheduled_kernel(depthwise_model((3, 3), (1, 1), (0, 0, 0, 0)), "depthwise",
+                                 knob_database)
+    assert "depthwise_sums" not in shrinking
 
 
 def test_an_epilogue_that_reads_along_the_row_keeps_the_packed_kernel(knob_database):

@@ -21,7 +21,7 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.passes.select_conv_algorithm import CONV_PANEL_WIDTH
-from tightfit.schedules import conv2d
+from tightfit.schedules import conv2d, schedule_kernels
 from tightfit.schedules.conv2d import FLAT_PIXELS_ANNOTATION
 from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.pipeline import PipelineOptions, run_pipeline
@@ -682,11 +682,13 @@ def test_depthwise_packing_rows_after_a_strided_conv_over_a_symbolic_height(knob
 
 
 @pytest.mark.parametrize("kernel, groups", [("depthwise", 6), ("width_vectors", 1)])
-def test_wide_packing_rows_end_in_a_shifted_vector(knob_database, kernel, groups):
+def test_wide_packing_rows_end_in_a_shifted_vector(knob_database, monkeypatch, kernel, groups):
     """In the versions for maps of a tile or wider, a stride-1 image row is packed in whole
     vectors, the last shifted back to end at the row's end, and its two padding columns by two
     stores: no branch per row (the chunks and elements of row_chunks.py). Widths from one vector
-    up, with every leftover column count past whole vectors, match."""
+    up, with every leftover column count past whole vectors, match. (The packed kernel's own
+    versions: a depthwise conv's narrow planes are read flat otherwise, direct_depthwise.py.)"""
+    monkeypatch.setattr(schedule_kernels, "_direct_narrow_rows", lambda *args: None)
     model = conv_model(6, 6, groups=groups, stride=1, pads=[1, 1, 1, 1])
     scheduled = _scheduled_kernel(model, kernel, knob_database, (kernel,))
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
