@@ -95,7 +95,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     versions = []
     version_buckets = row_buckets(row_extent, rows,
                                   SHORT_TILE_ROWS if kind in REGISTER_TILE_KERNELS else None)
-    if narrow_rows is not None:  # only rows wider than a vector are left to the packed kernel
+    if narrow_rows is not None:  # only maps wider than a vector are left to the packed kernel
         version_buckets = [(version, None) for version, _ in version_buckets[:1]]
     if annotations.get(conv2d.CHANNEL_VECTORS_ANNOTATION):
         channels = int(base.get(base.get_sblock(block_name)).iter_vars[1].dom.extent)
@@ -140,9 +140,9 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
 
 def _direct_narrow_rows(base: s_tir.Schedule, block_name: str, annotations: dict,
                         isa: VectorISA, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
-    """(condition, body) of a strided depthwise conv's direct kernel for output rows of at most
-    a vector (direct_depthwise.py), or None where that does not apply. Only where masked loads
-    are fast: its edge vectors are masked, and with NEON's 4 lanes few rows are narrow."""
+    """(condition, body) of a depthwise conv's direct kernel for maps of at most a vector's
+    width (direct_depthwise.py), or None where none applies. Only where masked loads are fast:
+    its edge vectors are masked, and with NEON's 4 lanes few rows are narrow."""
     if str(annotations[KERNEL_ANNOTATION]) != conv2d.DEPTHWISE or not isa.fast_masks:
         return None
     sch = base.copy()
