@@ -79,21 +79,20 @@ def narrow_row_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], 
     if epilogue is None:
         return None
     analyzer = tvm.sym.Analyzer()
+    _, _, height, width = data.shape
+    _, _, out_height, out_width = epilogue.out.shape
     if stride_w >= 2:
-        kernel = _DirectDepthwise(data, weight, epilogue, window, lanes)
-        narrow = analyzer.simplify(kernel.out_width <= lanes)
+        kernel, narrow = _DirectDepthwise, out_width <= lanes
+    elif (stride_h == 1 and epilogue.plane_invariant()
+            and analyzer.can_prove_equal(out_height, height)
+            and analyzer.can_prove_equal(out_width, width)):
+        kernel, narrow = _FlatPlane, width < lanes
     else:
-        _, _, height, width = data.shape
-        _, _, out_height, out_width = epilogue.out.shape
-        if (stride_h != 1 or not epilogue.plane_invariant()
-                or not analyzer.can_prove_equal(out_height, height)
-                or not analyzer.can_prove_equal(out_width, width)):
-            return None
-        kernel = _FlatPlane(data, weight, epilogue, window, lanes)
-        narrow = analyzer.simplify(width < lanes)
-    versions = [(condition, kernel.loop(parallel))
+        return None
+    # a kernel object per version: each version's loop variables are its own
+    versions = [(condition, kernel(data, weight, epilogue, window, lanes).loop(parallel))
                 for parallel, condition in parallel_buckets(work, min_parallel_work)]
-    return narrow, nested_ifs(versions)
+    return analyzer.simplify(narrow), nested_ifs(versions)
 
 
 class _Epilogue:
@@ -188,7 +187,8 @@ class _DirectDepthwise:
         self.data, self.weight, self.epilogue = data, weight, epilogue
         self.window = window[:6]
         self.lanes = lanes
-        self.plane = tirx.Var("plane", self.index_type)
+        # image-major, as every conv kernel's parallel loop (conv2d.py's module docstring)
+        self.plane = tirx.Var("n_c_plane", self.index_type)
         self.image = tirx.floordiv(self.plane, self.channels)
         self.channel = tirx.floormod(self.plane, self.channels)
         self.row = tirx.Var("out_row", self.index_type)
@@ -338,7 +338,8 @@ class _FlatPlane:
         self.weight, self.epilogue = weight, epilogue
         self.kernel_h, self.kernel_w, _, _, self.pad_top, self.pad_left = window[:6]
         self.lanes = lanes
-        self.plane = tirx.Var("plane", self.index_type)
+        # image-major, as every conv kernel's parallel loop (conv2d.py's module docstring)
+        self.plane = tirx.Var("n_c_plane", self.index_type)
 
     def loop(self, parallel: bool) -> tirx.Stmt:
         kind = tirx.ForKind.PARALLEL if parallel else tirx.ForKind.SERIAL

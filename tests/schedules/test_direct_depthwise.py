@@ -35,7 +35,8 @@ WINDOWS = [
 ]
 
 
-def depthwise_model(kernel, strides, pads, epilogue: str = "clip") -> onnx.ModelProto:
+def depthwise_model(kernel, strides, pads, epilogue: str = "clip",
+                    spatial=("h", "w")) -> onnx.ModelProto:
     """A depthwise conv with a bias, then Clip(0, 6) (MobileNet's ReLU6) or Relu; or the sum of
     two such convs of x (the second one's epilogue reads the first one's output along the row,
     as a residual add does)."""
@@ -57,7 +58,7 @@ def depthwise_model(kernel, strides, pads, epilogue: str = "clip") -> onnx.Model
                   helper.make_node("Add", ["other", "conv"], ["y"])]
     graph = helper.make_graph(
         nodes, "depthwise",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", CHANNELS, "h", "w"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", CHANNELS, *spatial])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", CHANNELS, "oh", "ow"])],
         initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -112,6 +113,21 @@ def test_an_epilogue_that_reads_along_the_row_keeps_the_packed_kernel(knob_datab
     feeds = {"x": np.random.default_rng(1).standard_normal((1, CHANNELS, 9, 7)).astype(np.float32)}
     np.testing.assert_allclose(tightfit.compile(model).session().run(feeds)["y"],
                                run_onnxruntime(model, feeds)["y"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [WINDOWS[0], WINDOWS[5]], ids=["strided", "flat"])
+def test_serial_and_parallel_versions_compile_side_by_side(window):
+    """With the default parallel threshold and only the batch symbolic (a 7x5 map: the direct
+    kernel alone), the kernel holds both work versions of the direct kernel, each with loop
+    variables of its own (one variable in both loops failed code generation), each matching
+    onnxruntime."""
+    model = depthwise_model(*window, spatial=(7, 5))
+    session = tightfit.compile(model).session()
+    for batch in (1, 1200):  # below and above the threshold
+        feeds = {"x": np.random.default_rng(batch).standard_normal((batch, CHANNELS, 7, 5))
+                 .astype(np.float32)}
+        np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                                   rtol=1e-5, atol=1e-5)
 
 
 @given(window=st.integers(0, len(WINDOWS) - 1), batch=st.integers(1, 2),
