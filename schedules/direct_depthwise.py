@@ -50,6 +50,12 @@ from .register_tile import STAGE_ANNOTATION
 from .row_chunks import substitute
 from .tail_tiles import uses_any
 
+# The flat kernel finds each lane's row as floor((p + 0.5) x (1 / W)) in float32: the true
+# quotient lies at least 0.5 / W from an integer, and below 2^20 pixels a plane the rounding
+# errors stay under a quarter of that. Taller planes keep the packed kernel.
+FLAT_PLANE_MAX_PIXELS = 1 << 20
+
+
 def narrow_row_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], lanes: int,
                       work, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
     """(where it runs, the body) of a direct kernel for the narrow maps of the depthwise kernel
@@ -86,7 +92,8 @@ def narrow_row_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], 
     elif (stride_h == 1 and epilogue.plane_invariant()
             and analyzer.can_prove_equal(out_height, height)
             and analyzer.can_prove_equal(out_width, width)):
-        kernel, narrow = _FlatPlane, width < lanes
+        kernel = _FlatPlane
+        narrow = tirx.And(width < lanes, height * width < FLAT_PLANE_MAX_PIXELS)
     else:
         return None
     # a kernel object per version: each version's loop variables are its own
@@ -369,7 +376,7 @@ class _FlatPlane:
         def floats_of(value):
             return tirx.Broadcast(tirx.Cast("float32", value), lanes)
 
-        # each lane's row and column, in floats (exact for planes under 2^22 pixels); the
+        # each lane's row and column, in floats (FLAT_PLANE_MAX_PIXELS); the
         # lane offsets converted apart from the start stay a constant vector
         pixels = tirx.Cast(f"float32x{lanes}", offsets) + floats_of(start)
         rows = tirx.floor((pixels + floats_of(tirx.const(0.5, "float32")))

@@ -179,15 +179,18 @@ def join_versions(versions: list[tuple[object, tirx.PrimFunc]]) -> tirx.PrimFunc
 
 def run_first_where(func: tirx.PrimFunc, condition, body: tirx.Stmt) -> tirx.PrimFunc:
     """`func` running `body` where `condition` holds and its own body elsewhere: a version built
-    as a statement (direct_depthwise.py) beside versions joined by `join_versions`, whose root
-    block allocates nothing (each version allocates under its own branch)."""
+    as a statement (direct_depthwise.py) beside the versions `join_versions` joined. The
+    buffers `func`'s root block allocates move into a block under the other branch, as
+    `join_versions` puts each version's, so that the statement's branch allocates none."""
     if isinstance(condition, tirx.IntImm):
         return func.with_body(body) if condition.value else func
     realize = func.body
     root = realize.block
+    own = s_tir.SBlockRealize([], tirx.const(True, "bool"), s_tir.SBlock(
+        [], [], [], "scheduled_versions", root.body, None, root.alloc_buffers))
     joined = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
-                          tirx.IfThenElse(condition, body, root.body), root.init,
-                          root.alloc_buffers, root.match_buffers, root.annotations)
+                          tirx.IfThenElse(condition, body, own), root.init, [],
+                          root.match_buffers, root.annotations)
     return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, joined))
 
 

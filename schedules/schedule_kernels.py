@@ -95,8 +95,6 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     versions = []
     version_buckets = row_buckets(row_extent, rows,
                                   SHORT_TILE_ROWS if kind in REGISTER_TILE_KERNELS else None)
-    if narrow_rows is not None:  # only maps wider than a vector are left to the packed kernel
-        version_buckets = [(version, None) for version, _ in version_buckets[:1]]
     if annotations.get(conv2d.CHANNEL_VECTORS_ANNOTATION):
         channels = int(base.get(base.get_sblock(block_name)).iter_vars[1].dom.extent)
         _, tile_pixels = conv2d.channel_vector_tile(isa, channels)

@@ -16,6 +16,7 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.schedules.direct_depthwise import FLAT_PLANE_MAX_PIXELS
 from tightfit.target import resolve_target
 
 from conftest import THRESHOLDS
@@ -128,6 +129,18 @@ def test_serial_and_parallel_versions_compile_side_by_side(window):
                  .astype(np.float32)}
         np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_plane_too_tall_for_float_columns_keeps_the_packed_kernel(compiled_windows):
+    """The flat kernel finds columns in float32, exact below FLAT_PLANE_MAX_PIXELS a plane: a
+    narrow plane of more pixels runs the packed kernel's narrow version, and matches."""
+    width = 15
+    height = FLAT_PLANE_MAX_PIXELS // width + 1
+    feeds = {"x": np.random.default_rng(5).standard_normal((1, CHANNELS, height, width))
+             .astype(np.float32)}
+    compiled = compiled_windows[5]
+    np.testing.assert_allclose(compiled["serial"].run(feeds)["y"],
+                               run_onnxruntime(compiled["model"], feeds)["y"], rtol=1e-5, atol=1e-5)
 
 
 @given(window=st.integers(0, len(WINDOWS) - 1), batch=st.integers(1, 2),
