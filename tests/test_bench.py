@@ -6,9 +6,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import time
 
-from tightfit.bench import (ModelBenchmark, ShapeTiming, _fmt, _run_for, benchmark_model,
-                            markdown_table, pool_start_us, quartile_spread, ratio_summary,
-                            run_job_io, run_worker)
+from tightfit.bench import (SLOW_POOL_START_US, ModelBenchmark, ShapeTiming, _fmt, _run_for,
+                            benchmark_model, markdown_table, pool_start_us, quartile_spread,
+                            ratio_summary, run_job_io, run_worker)
 from tightfit.bench_loading import benchmark_loading
 from tightfit.testing import zoo
 
@@ -49,7 +49,7 @@ def test_the_summary_counts_shapes_timed_on_a_busy_or_slow_machine():
                             shapes=[steady, busy_ours, busy_theirs])
     line, = ratio_summary([result])
     assert line.endswith("2 of the shapes timed with a spread of 20% or more, 1 while TVM's pool "
-                         "took 2 us or more to start a parallel loop.")
+                         f"took {SLOW_POOL_START_US:g} us or more to start a parallel loop.")
 
 
 def test_the_pool_start_probe_times_a_parallel_loop_against_a_serial_call():
