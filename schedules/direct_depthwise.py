@@ -46,6 +46,7 @@ from tvm import s_tir, tirx
 from tvm.tirx.op import masked_load, masked_store
 
 from .dispatch import nested_ifs, parallel_buckets
+from .pool_kernels import row_taps
 from .register_tile import STAGE_ANNOTATION
 from .row_chunks import substitute
 from .tail_tiles import uses_any
@@ -254,31 +255,11 @@ class _DirectDepthwise:
         whole = self._lanes(self._int(0), lanes)
         tap_row = tirx.Var("tap_row", self.index_type)
         input_row = self.row * stride_h - pad_top + tap_row
-        products = []
-        for group in range(-(-kernel_w // stride_w)):
-            base = start * stride_w - pad_left + group * stride_w
-            indices = [self.image, self.channel, input_row,
-                       self._lanes(base, stride_w * lanes)]
-            if count is None:
-                loaded = tirx.BufferLoad(self.data, indices)
-            else:
-                # in 32-bit lanes: 64-bit ones took four compares per 32-lane mask
-                offsets = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"),
-                                    stride_w * lanes)
-                inside = tirx.And(
-                    offsets >= tirx.Broadcast(tirx.Cast("int32", -base), stride_w * lanes),
-                    offsets < tirx.Broadcast(tirx.Cast("int32", self.width - base),
-                                             stride_w * lanes))
-                loaded = tirx.Select(
-                    inside, masked_load(f"float32x{stride_w * lanes}", self.data, *indices,
-                                        inside),
-                    tirx.Broadcast(tirx.const(0, "float32"), stride_w * lanes))
-            for phase in range(min(stride_w, kernel_w - group * stride_w)):
-                tap = tirx.Shuffle([loaded], [tirx.const(phase + stride_w * lane, "int32")
-                                              for lane in range(lanes)])
-                weight = tirx.BufferLoad(self.weight, [self.channel, self._int(0), tap_row,
-                                                       self._int(group * stride_w + phase)])
-                products.append(tap * tirx.Broadcast(weight, lanes))
+        taps = row_taps(self.data, [self.image, self.channel, input_row], start, kernel_w,
+                        stride_w, pad_left, lanes, None if count is None else 0.0)
+        products = [tap * tirx.Broadcast(tirx.BufferLoad(self.weight, [
+            self.channel, self._int(0), tap_row, self._int(tap_column)]), lanes)
+                    for tap_column, tap in enumerate(taps)]
         summed = functools.reduce(lambda total, product: total + product, products,
                                   tirx.BufferLoad(sums, [whole]))
         lane = tirx.Var("lane", self.index_type)

@@ -106,6 +106,37 @@ def _window(call: relax.Call) -> list[int] | None:
     return [int(value) for value in (kernel_h, kernel_w, stride_h, stride_w, pad_top, pad_left)]
 
 
+def row_taps(data: tirx.Buffer, row: list, start, kernel_w: int, stride_w: int, pad_left: int,
+             lanes: int, fill: float | None = None) -> list:
+    """The window's taps along one input row for the outputs start .. start + lanes - 1 of an
+    output row, one vector per kernel column: tap rx of output l reads column
+    start * stride - pad + rx + stride * l of `data` at the indices `row` (the row's leading
+    ones). Taps q * stride + r share one load of stride * lanes columns and take lanes r,
+    r + stride, ... of it by a shuffle. With `fill`, the loads are masked to the row's columns
+    and the lanes outside it are `fill` (the padding's value to the consumer); without, every
+    load must lie inside the row."""
+    width = data.shape[-1]
+    index_type = width.ty.dtype
+    span = stride_w * lanes
+    taps = []
+    for group in range(-(-kernel_w // stride_w)):
+        base = start * stride_w - pad_left + group * stride_w
+        indices = [*row, tirx.Ramp(base, tirx.const(1, index_type), span)]
+        if fill is None:
+            loaded = tirx.BufferLoad(data, indices)
+        else:
+            # in 32-bit lanes: 64-bit ones took four compares per 32-lane mask
+            offsets = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), span)
+            inside = tirx.And(offsets >= tirx.Broadcast(tirx.Cast("int32", -base), span),
+                              offsets < tirx.Broadcast(tirx.Cast("int32", width - base), span))
+            loaded = tirx.Select(inside, masked_load(f"float32x{span}", data, *indices, inside),
+                                 tirx.Broadcast(tirx.const(fill, "float32"), span))
+        for phase in range(min(stride_w, kernel_w - group * stride_w)):
+            taps.append(loaded if stride_w == 1 else tirx.Shuffle(
+                [loaded], [tirx.const(phase + stride_w * lane, "int32") for lane in range(lanes)]))
+    return taps
+
+
 class _Pool:
     """The loop nest of one max pooling (one version of it: its loop variables are its own):
     planes, output rows, then the row's columns."""
@@ -190,24 +221,8 @@ class _Pool:
         whole = self._lanes(self._int(0), lanes)
         tap_row = tirx.Var("tap_row", self.index_type)
         input_row = self.row * stride_h - pad_top + tap_row
-        taps = []
-        for group in range(-(-kernel_w // stride_w)):
-            base = start * stride_w - pad_left + group * stride_w
-            columns = self._lanes(base, stride_w * lanes)
-            indices = [self.plane, input_row, columns]
-            if count is None:
-                loaded = tirx.BufferLoad(self.data, indices)
-            else:
-                offsets = self._lanes(self._int(0), stride_w * lanes)
-                inside = tirx.And(offsets >= tirx.Broadcast(-base, stride_w * lanes),
-                                  offsets < tirx.Broadcast(self.width - base, stride_w * lanes))
-                loaded = tirx.Select(
-                    inside, masked_load(f"float32x{stride_w * lanes}", self.data, *indices, inside),
-                    tirx.Broadcast(tirx.const(LOWEST, "float32"), stride_w * lanes))
-            for phase in range(min(stride_w, kernel_w - group * stride_w)):
-                taps.append(loaded if stride_w == 1 else tirx.Shuffle(
-                    [loaded], [tirx.const(phase + stride_w * lane, "int32")
-                               for lane in range(lanes)]))
+        taps = row_taps(self.data, [self.plane, input_row], start, kernel_w, stride_w, pad_left,
+                        lanes, None if count is None else LOWEST)
         peak = functools.reduce(tirx.max, taps, tirx.BufferLoad(vector, [whole]))
         out_indices = [self.plane, self.row, self._lanes(start, lanes)]
         result = tirx.BufferLoad(vector, [whole])

@@ -10,6 +10,7 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
+import tightfit
 from tightfit.passes import SelectConvAlgorithm, SelectGemmKernel
 from tightfit.pipeline import PipelineOptions, build_config
 from tightfit.schedules import FallbackCPUSchedule, ScheduleKernels
@@ -80,9 +81,23 @@ def selected_algorithms(mod: tvm.IRModule) -> list[str]:
                   if func.attrs is not None and "tightfit.algorithm" in func.attrs)
 
 
+# a parallel threshold per side of the work `if`: every run parallel, every run serial
+THRESHOLDS = {"parallel": 1, "serial": 1 << 60}
+
+
 def threshold_database(path: Path, threshold: int) -> str:
     """A knob database at `path` holding only a parallel threshold: 1 sends every kernel's run
     to its parallel version, 1 << 60 to its serial one."""
     path.write_text(json.dumps({"format": 1, "targets": {str(resolve_target("host").tvm_target): {
         "tiles": {}, "rates": {}, "min_parallel_work": threshold}}}))
     return str(path)
+
+
+def sessions_on_each_side(models: list, directory: Path) -> list[dict]:
+    """For each model, {"model": it, side: a session compiled with a knob database whose
+    parallel threshold sends every run to that side of the work `if`} (conftest.THRESHOLDS)."""
+    databases = {side: threshold_database(directory / f"{side}.json", threshold)
+                 for side, threshold in THRESHOLDS.items()}
+    return [{"model": model, **{
+        side: tightfit.compile(model, options=PipelineOptions(knob_database=database)).session()
+        for side, database in databases.items()}} for model in models]

@@ -20,7 +20,7 @@ from tightfit.schedules.direct_depthwise import FLAT_PLANE_MAX_PIXELS
 from tightfit.target import resolve_target
 
 from conftest import THRESHOLDS
-from kernel_harness import threshold_database
+from kernel_harness import sessions_on_each_side
 from test_row_kernels import scheduled_kernel
 
 CHANNELS = 5
@@ -68,16 +68,9 @@ def depthwise_model(kernel, strides, pads, epilogue: str = "clip",
 @pytest.fixture(scope="module")
 def compiled_windows(tmp_path_factory) -> list[dict]:
     """For each window, its model and a session compiled for each side of the work `if`."""
-    directory = tmp_path_factory.mktemp("knobs")
-    databases = {side: threshold_database(directory / f"{side}.json", threshold)
-                 for side, threshold in THRESHOLDS.items()}
-    compiled = []
-    for index, window in enumerate(WINDOWS):
-        model = depthwise_model(*window, epilogue="relu" if index % 2 else "clip")
-        compiled.append({"model": model, **{
-            side: tightfit.compile(model, options=PipelineOptions(knob_database=database)).session()
-            for side, database in databases.items()}})
-    return compiled
+    models = [depthwise_model(*window, epilogue="relu" if index % 2 else "clip")
+                   for index, window in enumerate(WINDOWS)]
+    return sessions_on_each_side(models, tmp_path_factory.mktemp("knobs"))
 
 
 def test_narrow_maps_of_a_depthwise_conv_are_read_directly(knob_database):

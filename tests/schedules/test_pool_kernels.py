@@ -10,10 +10,9 @@ from onnx import TensorProto, helper
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
-from tightfit.pipeline import PipelineOptions
 
 from conftest import THRESHOLDS
-from kernel_harness import threshold_database
+from kernel_harness import sessions_on_each_side
 from test_row_kernels import scheduled_kernel
 
 # (kernel, strides, pads top/left/bottom/right, ceil_mode)
@@ -41,16 +40,8 @@ def max_pool_model(kernel, strides, pads, ceil_mode, dilations=(1, 1)) -> onnx.M
 @pytest.fixture(scope="module")
 def compiled_windows(tmp_path_factory) -> list[dict]:
     """For each window, its model and a session compiled for each side of the work `if`."""
-    directory = tmp_path_factory.mktemp("knobs")
-    databases = {side: threshold_database(directory / f"{side}.json", threshold)
-                 for side, threshold in THRESHOLDS.items()}
-    compiled = []
-    for window in WINDOWS:
-        model = max_pool_model(*window)
-        compiled.append({"model": model, **{
-            side: tightfit.compile(model, options=PipelineOptions(knob_database=database)).session()
-            for side, database in databases.items()}})
-    return compiled
+    models = [max_pool_model(*window) for window in WINDOWS]
+    return sessions_on_each_side(models, tmp_path_factory.mktemp("knobs"))
 
 
 def test_max_pool_reads_vectors_of_columns_without_a_padded_copy(knob_database):
