@@ -46,7 +46,7 @@ from tvm import s_tir, tirx
 from tvm.tirx.op import masked_load, masked_store
 
 from .dispatch import nested_ifs, parallel_buckets
-from .pool_kernels import row_taps
+from .pool_kernels import IndexExpressions, row_taps
 from .register_tile import STAGE_ANNOTATION
 from .row_chunks import substitute
 from .tail_tiles import uses_any
@@ -182,7 +182,7 @@ def _with_sum(expr, tiles: tirx.Buffer, summed, loads: list | None = None):
     return rebuild(expr)
 
 
-class _DirectDepthwise:
+class _DirectDepthwise(IndexExpressions):
     """The loop nest of one direct depthwise conv (one version of it): planes, output rows,
     then the row's column vectors."""
 
@@ -288,17 +288,8 @@ class _DirectDepthwise:
             write_back,
         ])
 
-    def _inside(self, index, extent):
-        return tirx.And(index >= 0, index < extent)
 
-    def _lanes(self, start, count: int):
-        return tirx.Ramp(start, self._int(1), count)
-
-    def _int(self, value: int):
-        return tirx.const(value, self.index_type)
-
-
-class _FlatPlane:
+class _FlatPlane(IndexExpressions):
     """The loop nest of one unit-stride depthwise conv over planes narrower than a vector, whose
     output is the size of its input (one version of it): planes, then vectors of the plane's
     pixels flattened row after row, whatever rows they span.
@@ -348,7 +339,7 @@ class _FlatPlane:
     def _vector_output(self, start, sums: tirx.Buffer, values: tirx.Buffer) -> tirx.Stmt:
         """The pixels start .. start + lanes - 1 of the plane (those inside it stored)."""
         lanes = self.lanes
-        whole = tirx.Ramp(self._int(0), self._int(1), lanes)
+        whole = self._lanes(self._int(0), lanes)
         offsets = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
 
         def lanes_of(value):
@@ -381,8 +372,7 @@ class _FlatPlane:
                 inside = tirx.And(inside, columns < lanes_of(self.width - shift))
             first = start + shift_row * self.width + shift
             loaded = tirx.Select(inside, masked_load(
-                f"float32x{lanes}", self.data, self.plane,
-                tirx.Ramp(first, self._int(1), lanes), inside),
+                f"float32x{lanes}", self.data, self.plane, self._lanes(first, lanes), inside),
                 tirx.Broadcast(tirx.const(0, "float32"), lanes))
             weight = tirx.BufferLoad(self.weight, [channel, self._int(0), tap_row,
                                                    self._int(tap_column)])
@@ -399,9 +389,7 @@ class _FlatPlane:
             tirx.For(lane, self._int(0), self._int(lanes), tirx.ForKind.VECTORIZED,
                      tirx.BufferStore(values, value, [lane])),
             tirx.Evaluate(masked_store(self.out, tirx.BufferLoad(values, [whole]), self.plane,
-                                       tirx.Ramp(start, self._int(1), lanes),
+                                       self._lanes(start, lanes),
                                        offsets < lanes_of(self.pixels - start))),
         ])
 
-    def _int(self, value: int):
-        return tirx.const(value, self.index_type)

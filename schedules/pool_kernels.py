@@ -137,7 +137,23 @@ def row_taps(data: tirx.Buffer, row: list, start, kernel_w: int, stride_w: int, 
     return taps
 
 
-class _Pool:
+class IndexExpressions:
+    """Index expressions in a row kernel's own index type (`index_type`, the maps' dims' type),
+    for the kernels built as statements: the pool's and direct_depthwise.py's."""
+
+    index_type: str
+
+    def _inside(self, index, extent):
+        return tirx.And(index >= 0, index < extent)
+
+    def _lanes(self, start, count: int):
+        return tirx.Ramp(start, self._int(1), count)
+
+    def _int(self, value: int):
+        return tirx.const(value, self.index_type)
+
+
+class _Pool(IndexExpressions):
     """The loop nest of one max pooling (one version of it: its loop variables are its own):
     planes, output rows, then the row's columns."""
 
@@ -259,12 +275,3 @@ class _Pool:
             tirx.BufferStore(self.out, tirx.BufferLoad(scalar, zero),
                              [self.plane, self.row, column]),
         ])
-
-    def _inside(self, index, extent):
-        return tirx.And(index >= 0, index < extent)
-
-    def _lanes(self, start, count: int):
-        return tirx.Ramp(start, self._int(1), count)
-
-    def _int(self, value: int):
-        return tirx.const(value, self.index_type)
