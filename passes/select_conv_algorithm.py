@@ -256,14 +256,14 @@ class _ConvRewriter(relax.PyExprMutator):
         tile_grid = emit_kernel(self.builder_, winograd.winograd_input, [data], "winograd_input",
                                 {}, f"{name}_winograd_input", plain_dims=True, tile=tile,
                                 padding=padding)
-        points, batch, tiles_h, tiles_w, channels = tile_grid.ty.shape.values
+        batch, tiles_h, tiles_w, points, channels = tile_grid.ty.shape.values
         tiles = self.builder_.emit(relax.op.reshape(
-            tile_grid, [points, batch, tiles_h * tiles_w, channels]))
+            tile_grid, [batch, tiles_h * tiles_w, points, channels]))
         products = emit_kernel(self.builder_, gemm.dense_packed, [tiles, transformed],
                                "dense_packed", {"tightfit.algorithm": gemm.DENSE},
                                f"{name}_winograd_gemm", out_features=out_channels,
                                rows=knobs.rows, vectors=knobs.vectors,
-                               reduction_unroll=knobs.reduction_unroll)
+                               reduction_unroll=knobs.reduction_unroll, points_inside=True)
         return emit_kernel(self.builder_, winograd.winograd_output, [products], "winograd_output",
                            record, name, out_shape=list(call.ty.shape.values), tile=tile)
 

@@ -47,25 +47,41 @@ def pack_dense_weight(weight: te.Tensor, panel_width: int) -> te.Tensor:
 
 
 def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, rows: int,
-                 vectors: int, reduction_unroll: int = 1) -> te.Tensor:
+                 vectors: int, reduction_unroll: int = 1, points_inside: bool = False) -> te.Tensor:
     """A[*batch, M, K] x packed W: [panels, K, NB] shared by the batch, or [*lead, panels, K,
-    NB], a weight per entry of the leading batch axes (Winograd's transform points,
-    winograd.py)."""
-    *batch, row_extent, reduction = data.shape
+    NB], a weight per entry of the leading batch axes.
+
+    `points_inside`: A holds the weight's own axes after its rows instead, A[*batch, M, *lead,
+    K], and the result does too, [*batch, M, *lead, N]: Winograd's tiles with their transform
+    points inside (winograd.py), so that a tile's points are neighbours in memory. The kernel
+    loops over (*lead, *batch) either way."""
     *weight_batch, panels, _, panel_width = (int(d) for d in packed_weight.shape)
-    assert len(weight_batch) <= len(batch), "a weight per entry of leading batch axes, or one"
+    lead_count = len(weight_batch)
+    if points_inside:
+        *batch, row_extent = data.shape[:-1 - lead_count]
+        batch = [*weight_batch, *batch]
+    else:
+        *batch, row_extent, _ = data.shape
+    assert lead_count <= len(batch), "a weight per entry of leading batch axes, or one"
+    reduction = data.shape[-1]
     k = te.reduce_axis((0, reduction), "k")
+
+    def data_index(b, m):
+        if points_inside:
+            return (*b[lead_count:], m, *b[:lead_count], k)
+        return (*b, m, k)
 
     def tile_value(*index):
         *b, m, o = index
-        weight_index = (*b[:len(weight_batch)], o // panel_width, k, o % panel_width)
-        return te.sum(data[(*b, m, k)] * packed_weight[weight_index], axis=k)
+        weight_index = (*b[:lead_count], o // panel_width, k, o % panel_width)
+        return te.sum(data[data_index(b, m)] * packed_weight[weight_index], axis=k)
 
     # one entry of the leading batch axes' weight: whether it stays in L2 while the row tiles
     # re-read it decides the loop order
     return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, out_features,
                           DENSE, rows, vectors, reduction_unroll,
-                          {WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 3)})
+                          {WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 3)},
+                          lead_inside=lead_count if points_inside else 0)
 
 
 def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
@@ -95,11 +111,21 @@ def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
 
 
 def _tiles_and_out(tile_value, batch, row_extent, padded_columns, columns, kind: str, rows: int,
-                   vectors: int, reduction_unroll: int, annotations: dict | None = None) -> te.Tensor:
+                   vectors: int, reduction_unroll: int, annotations: dict | None = None,
+                   lead_inside: int = 0) -> te.Tensor:
+    """The tiles over (*batch, rows, columns), and the result read from them: in the same
+    order, or with the first `lead_inside` batch axes moved between the rows and the
+    columns."""
+    lead, outer = batch[:lead_inside], batch[lead_inside:]
     tiles = te.compute((*batch, tile_domain(row_extent, rows), padded_columns), tile_value,
                        name=f"{kind}_tiles",
                        attrs={KERNEL_ANNOTATION: kind, ROWS_ANNOTATION: rows,
                               VECTORS_ANNOTATION: vectors,
                               REDUCTION_UNROLL_ANNOTATION: reduction_unroll,
-                              OUTPUT_ROW_AXIS_ANNOTATION: len(batch), **(annotations or {})})
-    return te.compute((*batch, row_extent, columns), lambda *index: tiles[index], name=f"{kind}_out")
+                              OUTPUT_ROW_AXIS_ANNOTATION: len(outer), **(annotations or {})})
+
+    def out_value(*index):
+        b, m, p, o = (index[:len(outer)], index[len(outer)], index[len(outer) + 1:-1], index[-1])
+        return tiles[(*p, *b, m, o)]
+
+    return te.compute((*outer, row_extent, *lead, columns), out_value, name=f"{kind}_out")

@@ -127,6 +127,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
                 int(annotations[conv2d.DEPTHWISE_ROWS_ANNOTATION]), version, parallel)
         else:
             raise ValueError(f"no schedule for kernel kind {kind!r} (block {block_name})")
+        conv2d.gather_channels_in_blocks(sch)
         if parallel:
             parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
         versions.append((condition, apply_rewrites(sch.mod["main"], rewrites)))
@@ -167,6 +168,7 @@ def _schedule_transform(base: s_tir.Schedule, block_name: str, annotations: dict
                                                int(annotations[winograd.TILE_ANNOTATION]), isa,
                                                parallel)
             kernel_blocks = frozenset({block_name, sch.get(out_block).name_hint})
+        conv2d.gather_channels_in_blocks(sch)
         if parallel:
             parallelize_outer_loops(sch, skip=kernel_blocks)
         versions.append((condition, sch.mod["main"]))

@@ -9,13 +9,17 @@ an alpha x alpha input tile (alpha = m + 2) as
 so the multiply-adds become alpha^2 independent GEMMs over channels, one per transform point:
 - weights (offline, PreTransformWeights): U[point, k, c] = (G g_kc G^T)[point], packed into the
   dense kernel's panels, one weight matrix per point;
-- `winograd_input`: V[point, n, tile row, tile column, c] = (B^T d_tile,c B)[point], the input
+- `winograd_input`: V[n, tile row, tile column, point, c] = (B^T d_tile,c B)[point], the input
   read through a zero-padded channels-last copy so that the transform vectorizes over channels;
   the GEMM reads it with the tile row and column as one axis (a reshape, kept a view);
-- the GEMM: M[point, n, tile, k] = sum_c V[point, n, tile, c] U[point, k, c], gemm.dense_packed
+- the GEMM: M[n, tile, point, k] = sum_c V[n, tile, point, c] U[point, k, c], gemm.dense_packed
   with a weight per point, on register tiles (register_tile.py);
 - `winograd_output`: Y[n, k, tile rows, tile cols] = (A^T M_tile,k A), vectorized over output
   channels, with the conv's epilogue (bias, activation, residual) fused into its write-back.
+A tile's alpha^2 points are neighbours in V and M: with the point outermost,
+each transform streamed alpha^2 vectors a tile a whole plane of tiles apart, and where that
+plane is a multiple of 4 KB (64 channels over 8x8 or 16x16 tiles, 16 over 8x8) all of them fell
+into one set of the L1 cache: the transforms ran 4-6x slower than at the planes around them.
 F(2x2, 3x3) cuts the multiply-adds 2.25x, F(4x4, 3x3) 4x; the transforms cost memory traffic and
 arithmetic per tile and channel, which conv_cost.py weighs against the savings. The matrices use
 the points 0, +-1, +-2 and infinity; F(4x4, 3x3)'s are exact in fp32 up to rounding of 1/6 and
@@ -50,6 +54,8 @@ MATRICES = {
         [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]]),
 }
 TILE_ANNOTATION = "tightfit.winograd_tile"
+# The widest channel vector the output transform writes back (schedule_output_transform).
+OUTPUT_CHANNEL_LANES = 8
 
 
 def combine(coefficients: list, values: list):
@@ -119,7 +125,7 @@ def winograd_weight(weight: te.Tensor, tile: int, panel_width: int) -> te.Tensor
 
 
 def winograd_input(data: te.Tensor, tile: int, padding) -> te.Tensor:
-    """V[xi * alpha + nu, n, row, column, c] = (B^T d B)[xi, nu] for the input tile d at (row,
+    """V[n, row, column, xi * alpha + nu, c] = (B^T d B)[xi, nu] for the input tile d at (row,
     column) of image n, in two passes (B^T d, then . B) that share their partial sums. The GEMM
     reads V with the tile row and column as one axis (a reshape: a view).
 
@@ -144,18 +150,18 @@ def winograd_input(data: te.Tensor, tile: int, padding) -> te.Tensor:
     partial = te.compute((alpha, alpha, batch, tiles_h, tiles_w, channels), rows_transformed,
                          name="winograd_input_rows", attrs={STAGE_ANNOTATION: "transform_rows"})
 
-    def transformed(point, n, row, column, c):  # (B^T d B)[xi, nu]
+    def transformed(n, row, column, point, c):  # (B^T d B)[xi, nu]
         row_values = [partial[point // alpha, j, n, row, column, c] for j in range(alpha)]
         return select_by_index(point % alpha, [combine(b_row, row_values) for b_row in b_transpose])
 
-    return te.compute((alpha * alpha, batch, tiles_h, tiles_w, channels), transformed,
+    return te.compute((batch, tiles_h, tiles_w, alpha * alpha, channels), transformed,
                       name="winograd_input_tiles",
                       attrs={KERNEL_ANNOTATION: WINOGRAD_INPUT, ROWS_ANNOTATION: 1,
                              TILE_ANNOTATION: tile})
 
 
 def winograd_output(gemm: te.Tensor, out_shape, tile: int) -> te.Tensor:
-    """Y[n, k, h, w] = (A^T M A) of the tile holding (h, w), from M[point, n, tile, k], in two
+    """Y[n, k, h, w] = (A^T M A) of the tile holding (h, w), from M[n, tile, point, k], in two
     passes (A^T M, then . A)."""
     batch, out_channels, out_h, out_w = out_shape
     alpha = tile + 2
@@ -163,7 +169,7 @@ def winograd_output(gemm: te.Tensor, out_shape, tile: int) -> te.Tensor:
     tiles_h, tiles_w = tile_counts(out_h, out_w, tile)
 
     def columns_transformed(a, nu, n, t, k):  # (A^T M)[a, nu]
-        column_values = [gemm[xi * alpha + nu, n, t, k] for xi in range(alpha)]
+        column_values = [gemm[n, t, xi * alpha + nu, k] for xi in range(alpha)]
         return select_by_index(a, [combine(a_row, column_values) for a_row in a_transpose])
 
     partial = te.compute((tile, alpha, batch, tile_count(out_shape, tile), out_channels),
@@ -202,7 +208,7 @@ def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, paralle
     per-xi reads in three A/B rounds, either way (64 channels at 56x56: 52-59 vs 54-57 us; 24
     channels at 64x64: 108-113 vs 102-109 us); ResNet-18's runs are unchanged (1x3x128x128:
     3.59-3.74 vs 3.63-3.70 ms)."""
-    point, n, row, column, c = sch.get_loops(tiles)
+    n, row, column, point, c = sch.get_loops(tiles)
     alpha = _transform_rows_extent(sch, tiles)
     xi, nu = sch.split(point, [alpha, alpha])
     c_outer, c_lane = _split_lanes(sch, c, isa)
@@ -235,11 +241,17 @@ def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, 
     took a division and a remainder by the symbolic tile count (fused // tiles_w,
     fused % tiles_w), which a static plane folds to constants; as a serial loop the column is a
     plain variable. Measured alone, 24 channels over a symbolic 64x64: 129 -> 92 us (static:
-    36 us); static planes within noise (64 channels at 56x56: 41-43 -> 35-36 us)."""
+    36 us); static planes within noise (64 channels at 56x56: 41-43 -> 35-36 us).
+
+    The channel vectors are at most OUTPUT_CHANNEL_LANES wide: each store of one scatters its
+    lanes over as many output planes, and where a plane is a multiple of 4 KB all of their rows
+    fall into one set of the L1 cache; 16 of them overflowed the (12-way) set, and each row was
+    read again from L2 for every tile column that wrote into it. Measured alone, 64 channels,
+    2 threads, 16 -> 8 lanes: 32x32 74.4 -> 14.7 us, 28x28 9.1 -> 8.9, 56x56 32.4 -> 33.9."""
     n, k, h, w = sch.get_loops(out_block)
     row, a = sch.split(h, [None, tile])
     column, b = sch.split(w, [None, tile])
-    k_outer, k_lane = _split_lanes(sch, k, isa)
+    k_outer, k_lane = _split_lanes(sch, k, isa, OUTPUT_CHANNEL_LANES)
     sch.reorder(n, row, column, k_outer, a, b, *([k_lane] if k_lane is not None else []))
     sch.compute_at(tiles, a)
     sch.compute_at(_transform_rows(sch, tiles), a)
@@ -282,9 +294,10 @@ def _unroll_from(sch: s_tir.Schedule, block, depth: int, vectorize: bool) -> Non
         sch.unroll(loop)
 
 
-def _split_lanes(sch: s_tir.Schedule, loop, isa: VectorISA):
-    """(outer, vector lanes) when the loop is a whole number of vectors of the widest width,
-    half of it or a quarter of it (at least 4 lanes), else (loop, None).
+def _split_lanes(sch: s_tir.Schedule, loop, isa: VectorISA, most_lanes: int | None = None):
+    """(outer, vector lanes) when the loop is a whole number of vectors of the widest width
+    (or `most_lanes`, if fewer), half of it or a quarter of it (at least 4 lanes), else (loop,
+    None).
 
     Narrower vectors rather than scalar code: over a symbolic image the per-point strides are
     symbolic and LLVM does not vectorize the channel loop itself (it would have to check the 36
@@ -294,7 +307,8 @@ def _split_lanes(sch: s_tir.Schedule, loop, isa: VectorISA):
     extent = sch.get(loop).extent
     if not isinstance(extent, tirx.IntImm):
         return loop, None
-    for lanes in (isa.lanes, isa.lanes // 2, isa.lanes // 4):
+    widest = min(isa.lanes, most_lanes or isa.lanes)
+    for lanes in (widest, widest // 2, widest // 4):
         if lanes >= 4 and extent.value % lanes == 0:
             outer, lane = sch.split(loop, [None, lanes])
             return outer, lane
