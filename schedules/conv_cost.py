@@ -20,8 +20,8 @@ The constants were measured on one host. Where a conv's candidates were timed on
 Every candidate also reports its memory: workspace (packed input, Winograd's transformed input
 and GEMM result, im2col's unfolded input) and packed/transformed weight bytes, for the
 budget-aware choice (FlexNN) and the memory plan.
-Limits: symbolic extents are costed at a typical value (a symbolic plane also slows
-Winograd's transforms: WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN); beyond im2col's reduction depth the
+Limits: symbolic extents are costed at a typical value (a symbolic plane also changes the
+direct kernel's rate: _direct_efficiency); beyond im2col's reduction depth the
 model has no cache model (a layer that fits L2 and one that does not cost the same per
 multiply-add).
 """
@@ -72,22 +72,21 @@ WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
 # multiply-add rate with 64 input channels (258 against 177 GMAC/s: the reduction is the input
 # channels), ~1.0x with 32 and about half with 16 (interpolated in log2 of the channels); a
 # value through the input or the output transform costs ~100 ps (~18 of the width kernel's
-# multiply-adds); each extra kernel ~2 us of thread-pool launch and VM call (~350k).
+# multiply-adds); each extra kernel about 1 us of thread-pool launch and VM call (200k).
+# Checked again once the transforms stopped thrashing the L1 cache on planes of a multiple of
+# 4 KB (winograd.py), one 3x3 conv alone over static and symbolic planes, Winograd / width
+# kernel time (the model's ratio): static 16 ch 32x32 0.95 (1.23), 24 ch 32x32 1.10 (1.04),
+# 32 ch 16x16 0.58 (0.97), 32x32 0.85 (0.64), 64 ch 28x28 0.37 (0.38), 32x32 0.40 (0.39),
+# 56x56 0.29 (0.29), 128 ch 16x16 0.46 (0.53); symbolic 16 ch 32x32 0.60, 24 ch 32x32 1.14 and
+# 64x64 0.76, 32 ch 16x16 0.73 and 32x32 0.85, 64 ch 0.31-0.44: the transforms now take as
+# long over a symbolic plane as over a static one (11-28 multiply-adds a value either way), so
+# a symbolic plane is costed like a static one. Wrong only for 16 channels at 32x32 (a tie
+# over a static plane; over a symbolic one the width kernel is the slower one, 30 us against
+# 16 static, which the model does not know). With the launch at 350k, as before, 32 channels at
+# 16x16 took the width kernel, 1.7x (static) and 1.4x (symbolic) slower.
 WINOGRAD_GEMM_EFFICIENCY = {16: 0.55, 32: 1.0, 64: 1.45}
 WINOGRAD_MACS_PER_TRANSFORMED_VALUE = 18
-# Over a symbolic height or width the transform kernels run slower. Measured alone, input +
-# output transform, symbolic / static plane (2 threads): 24 channels at 64x64 118 / 91 us, at
-# 32x32 32 / 26 us; 48 at 40x40 55 / 37 us; 64 at 28x28 37 / 29 us and at 56x56 126 / 101 us;
-# but 16 and 32 channels at 32x32 78 / 27 and 83 / 31 us (the output transform's write-back: over
-# a symbolic width each pixel's store is checked, and LLVM scatters every channel vector lane by
-# lane). Chained 3x3 pairs over a symbolic plane, Winograd / width kernel: 24 channels 16x16
-# 39 / 39 us, 32x32 139 / 117 us, 64x64 440 / 375 us; 32 channels 16x16 52 / 61 us, 32x32
-# 228 / 190 us; 64 channels 28x28 240 / 577 us. With 3 the choice is the faster kernel in five
-# of these six (not 32 channels at 16x16); with 2 or 1.5 the 32-channel conv at 32x32 takes
-# Winograd, 1.2x slower. (Before the transforms vectorized narrow channel counts, 24 channels
-# at 64x64 took 438 / 84 us.)
-WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN = 3
-KERNEL_LAUNCH_MACS = 350_000
+KERNEL_LAUNCH_MACS = 200_000
 # im2col + GEMM, measured on this host (AVX-512, 2 threads, one conv alone and in whole runs):
 # the GEMM over the unfolded input runs as the pointwise width kernel while its reduction fits
 # L1 with the weight panel (depth x (16 lanes + ~13 channel rows) x 4 bytes under 48 KB: depth
@@ -369,10 +368,8 @@ def _winograd(shape: ConvShape, isa: VectorISA, width: Candidate, name: str) -> 
     macs = alpha * alpha * tiles * shape.channels * out_channels
     transformed_input = alpha * alpha * tiles * shape.channels
     gemm_result = alpha * alpha * tiles * out_channels
-    transform_slowdown = 1 if shape.static_plane else WINOGRAD_SYMBOLIC_TRANSFORM_SLOWDOWN
     equivalent_macs = (macs / _winograd_gemm_efficiency(shape.channels)
                        + (transformed_input + gemm_result) * WINOGRAD_MACS_PER_TRANSFORMED_VALUE
-                       * transform_slowdown
                        + 2 * KERNEL_LAUNCH_MACS)
     seconds = equivalent_macs * width.seconds / width.macs
     workspace = (transformed_input + gemm_result) * BYTES_PER_FLOAT

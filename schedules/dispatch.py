@@ -50,16 +50,25 @@ from .register_tile import KERNEL_ANNOTATION, ROW_TILES, SHORT_ROW_TILES, SINGLE
 from .tail_tiles import rewrite_loop_nest
 
 
-def row_buckets(row_extent, rows: int, short_rows: int | None = None) -> list[tuple[str, object]]:
+def row_buckets(row_extent, rows: int, short_rows: int | None = None,
+                short_costs_less=None) -> list[tuple[str, object]]:
     """[(version, run-time condition or None for "otherwise")], most specific first;
-    SHORT_ROW_TILES between `short_rows` and `rows` where given and smaller than `rows`."""
-    bounds = [(ROW_TILES, rows)]
-    if short_rows is not None and short_rows < rows:
-        bounds.append((SHORT_ROW_TILES, short_rows))
+    SHORT_ROW_TILES between `short_rows` and `rows` where given and smaller than `rows`, and
+    from `rows` on too wherever `short_costs_less(row_extent)` holds, when given (a condition
+    on the extent: register_tile.short_tiles_cost_less)."""
+    has_short = short_rows is not None and short_rows < rows
     if isinstance(row_extent, (int, tirx.IntImm)):
-        return [(next((version for version, least in bounds if int(row_extent) >= least),
-                      SINGLE_ROW), None)]
-    return [(version, row_extent >= least) for version, least in bounds] + [(SINGLE_ROW, None)]
+        extent = int(row_extent)
+        if extent >= rows and not (has_short and short_costs_less and short_costs_less(extent)):
+            return [(ROW_TILES, None)]
+        return [(SHORT_ROW_TILES if has_short and extent >= short_rows else SINGLE_ROW, None)]
+    row_tiles = row_extent >= rows
+    if has_short and short_costs_less is not None:
+        row_tiles = tirx.all(row_tiles, tirx.Not(short_costs_less(row_extent)))
+    buckets = [(ROW_TILES, row_tiles)]
+    if has_short:
+        buckets.append((SHORT_ROW_TILES, row_extent >= short_rows))
+    return buckets + [(SINGLE_ROW, None)]
 
 
 # Measured on this 2-core host, whole zoo models timed with thresholds from 2^16 to 2^21: 2^17

@@ -145,6 +145,25 @@ def short_tile_knobs(knobs: TileKnobs, columns, isa: VectorISA) -> TileKnobs:
                    vectors=chained_vectors(SHORT_TILE_ROWS, knobs.vectors, columns, isa))
 
 
+def short_tiles_cost_less(row_extent, knobs: TileKnobs, columns: int, isa: VectorISA):
+    """Whether SHORT_ROW_TILES covers a row of `row_extent` (at least a ROW_TILES tile) in
+    fewer issue slots (`tile_cost`, over the column panels) than ROW_TILES, whose last tile is
+    shifted back and computes rows twice: a 16-wide conv row takes two 15-row tiles (30 rows),
+    or four 4-row ones. A bool for a known extent, else a condition on it.
+
+    ResNet-18's 64 -> 128 stride-2 conv over a symbolic plane, alone, one thread, output
+    widths 15..31 (the maps as tall), 15-row tiles against 4 x 2 short tiles, us: 15: 153 /
+    177, 16: 315 / 189, 20: 398 / 292, 24: 483 / 424, 26: 525 / 540, 28: 569 / 579, 30: 609 /
+    700, 31: 926 / 733; the slots pick the faster one or a near tie (26, 28) at each."""
+    short = short_tile_knobs(knobs, columns, isa)
+
+    def slots(tile: TileKnobs):
+        panels = -(-int(columns) // (tile.vectors * isa.lanes))
+        return (row_extent + tile.rows - 1) // tile.rows * panels * tile_cost(tile.rows, tile.vectors)
+
+    return slots(short) < slots(knobs)
+
+
 def chained_vectors(rows: int, vectors: int, columns, isa: VectorISA) -> int:
     """The most vectors, from `vectors` up to enough for a tile of `rows` rows to run
     SKINNY_VECTORS independent multiply-add chains, that the registers hold and that divide

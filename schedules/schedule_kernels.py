@@ -41,6 +41,7 @@ from .register_tile import (
     TileKnobs,
     apply_rewrites,
     schedule_register_tiles,
+    short_tiles_cost_less,
 )
 from .row_kernels import schedule_row_kernel
 
@@ -94,7 +95,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     row_extent, out_row_axis = conv2d.output_row_extent(out_buffer.shape, annotations)
     versions = []
     version_buckets = row_buckets(row_extent, rows,
-                                  SHORT_TILE_ROWS if kind in REGISTER_TILE_KERNELS else None)
+                                  SHORT_TILE_ROWS if kind in REGISTER_TILE_KERNELS else None,
+                                  _short_costs_less(base, block_name, annotations, isa))
     if annotations.get(conv2d.CHANNEL_VECTORS_ANNOTATION):
         channels = int(base.get(base.get_sblock(block_name)).iter_vars[1].dom.extent)
         _, tile_pixels = conv2d.channel_vector_tile(isa, channels)
@@ -150,6 +152,17 @@ def _direct_narrow_rows(base: s_tir.Schedule, block_name: str, annotations: dict
     return direct_depthwise.narrow_row_kernel(
         sch, tiles, inline_epilogue(sch, _single_consumer(sch, tiles)), window, isa.lanes,
         loop_work(base, MAC_KERNELS), min_parallel_work)
+
+
+def _short_costs_less(base: s_tir.Schedule, block_name: str, annotations: dict, isa: VectorISA):
+    """register_tile.short_tiles_cost_less for a direct conv's rows (its columns, the output
+    channels, are a known number); None for the other kernels: GEMM rows were not measured
+    across the two versions."""
+    if str(annotations[KERNEL_ANNOTATION]) != conv2d.DIRECT:
+        return None
+    knobs = TileKnobs(int(annotations[ROWS_ANNOTATION]), int(annotations[VECTORS_ANNOTATION]))
+    columns = int(base.get(base.get_sblock(block_name)).iter_vars[3].dom.extent)
+    return lambda row_extent: short_tiles_cost_less(row_extent, knobs, columns, isa)
 
 
 def _schedule_transform(base: s_tir.Schedule, block_name: str, annotations: dict, isa: VectorISA,
