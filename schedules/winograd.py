@@ -233,7 +233,7 @@ def schedule_input_transform(sch: s_tir.Schedule, tiles, isa: VectorISA, paralle
 
 def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, isa: VectorISA,
                               parallel: bool) -> None:
-    """parallel for (image, tile row): for tile column, output-channel vector, output row a of
+    """parallel for (image, tile row): for output-channel vector, tile column, output row a of
     the tile: the alpha partial sums A^T M of row a, its m outputs per channel, then the write
     to NCHW with the epilogue (stores strided by the image size).
 
@@ -243,16 +243,21 @@ def schedule_output_transform(sch: s_tir.Schedule, tiles, out_block, tile: int, 
     plain variable. Measured alone, 24 channels over a symbolic 64x64: 129 -> 92 us (static:
     36 us); static planes within noise (64 channels at 56x56: 41-43 -> 35-36 us).
 
-    The channel vectors are at most OUTPUT_CHANNEL_LANES wide: each store of one scatters its
-    lanes over as many output planes, and where a plane is a multiple of 4 KB all of their rows
-    fall into one set of the L1 cache; 16 of them overflowed the (12-way) set, and each row was
-    read again from L2 for every tile column that wrote into it. Measured alone, 64 channels,
-    2 threads, 16 -> 8 lanes: 32x32 74.4 -> 14.7 us, 28x28 9.1 -> 8.9, 56x56 32.4 -> 33.9."""
+    The channel vectors are at most OUTPUT_CHANNEL_LANES wide, and the tile columns run inside
+    them: each store of a vector scatters its lanes over as many output planes, and where a
+    plane is a multiple of 4 KB all of their rows fall into one set of the L1 cache. 16 planes
+    overflowed the (12-way) set, and so did 8 planes per channel vector with every vector of a
+    tile column written before the next column: each row of a plane was read again from L2 for
+    every tile column that wrote into it. Measured alone, 64 channels, 2 threads, the output
+    transform with 16 -> 8 lanes: 32x32 74.4 -> 14.7 us, 28x28 9.1 -> 8.9, 56x56 32.4 -> 33.9;
+    whole convs (3 kernels), channel vectors inside -> outside the columns, both 8 lanes:
+    F(2,3) 32 channels at 32x32 111.7 -> 39.6 us, 64 at 32x32 245 -> 98; F(4,3) 38.6 -> 35.4
+    and 73.2 -> 68.0; within 3% at 56x56, 28x28 and 128 channels at 16x16."""
     n, k, h, w = sch.get_loops(out_block)
     row, a = sch.split(h, [None, tile])
     column, b = sch.split(w, [None, tile])
     k_outer, k_lane = _split_lanes(sch, k, isa, OUTPUT_CHANNEL_LANES)
-    sch.reorder(n, row, column, k_outer, a, b, *([k_lane] if k_lane is not None else []))
+    sch.reorder(n, row, k_outer, column, a, b, *([k_lane] if k_lane is not None else []))
     sch.compute_at(tiles, a)
     sch.compute_at(_transform_rows(sch, tiles), a)
     below_row = _depth_under(sch, tiles, a)

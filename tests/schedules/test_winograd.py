@@ -190,7 +190,8 @@ def test_transformed_tiles_keep_their_points_together_and_write_back_8_lanes():
     """V and M hold a tile's 36 points side by side ([n, tile, point, channel]): with the point
     outermost, a tile's 36 vectors lay a plane of tiles apart, all in one L1 set where that
     plane is a multiple of 4 KB. The output transform stores channel vectors of 8 lanes, which
-    scatter over 8 output planes, not 16 (winograd.OUTPUT_CHANNEL_LANES)."""
+    scatter over 8 output planes, not 16 (winograd.OUTPUT_CHANNEL_LANES), each over the whole
+    row of tiles before the next vector."""
     scheduled = scheduled_over_a_symbolic_plane(64, "winograd_f4")
     for kernel in ("winograd_input", "dense_packed"):  # V, then M (the GEMM's result)
         result = scheduled[scheduled.get_global_var(kernel)].params[-1]
@@ -199,6 +200,9 @@ def test_transformed_tiles_keep_their_points_together_and_write_back_8_lanes():
                       if "winograd_output" in var.name_hint]
     assert "T.vectorized(T.int64(8))" in output_script
     assert "T.vectorized(T.int64(16))" not in output_script
+    # the channel vectors outside the tile columns, in every version
+    orders = re.findall(r"for (?:\w+, )*k_0, w_0, h_1 in T\.grid", output_script)
+    assert len(orders) == output_script.count("T.sblock(\"winograd_output_tiles\")") > 0
 
 
 @pytest.mark.parametrize("algorithm, alpha", [("winograd_f2", 4), ("winograd_f4", 6)])
