@@ -271,13 +271,33 @@ def test_skinny_dense_spends_the_registers_on_vectors_and_runs_over_panels(knob_
 def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_database, channels,
                                                                       kernel, stride):
     """32 channels 3x3 stride 2: where the cost model picks the direct kernel (ResNet's
-    downsampling convs, conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS)."""
+    downsampling convs, conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS). Beyond a tile the long
+    tiles run only where they cost less than short ones (short_tiles_cost_less): at a tile's
+    width, and two tiles' less one (a shifted last tile)."""
+    rows = host_rows(24, CONV_PANEL_WIDTH)
     widths = sorted({stride * (edge - 1) + 1
-                     for edge in register_tile_edges(host_rows(24, CONV_PANEL_WIDTH))})
+                     for edge in register_tile_edges(rows) + [2 * rows - 1, 2 * rows]})
     assert_matches_onnxruntime(conv_model(channels, 24, groups=1, kernel=kernel, stride=stride),
                                "conv2d_direct", knob_database,
                                lambda w: {"x": _normal(1, channels, 5, w)}, widths,
                                conv_algorithms=("direct",))
+
+
+@pytest.mark.parametrize("out_width, short", [(15, False), (16, True), (20, True), (30, False),
+                                               (31, True)])
+def test_short_tiles_run_where_long_ones_would_compute_many_rows_twice(out_width, short):
+    """ResNet-18's 64 -> 128 stride-2 conv, 15-row tiles of one vector against 4 x 2 short
+    tiles: a 16-wide row in long tiles computes 30 rows (1 thread: 315 against 189 us), a 30-wide
+    one none twice (609 against 700 us); a symbolic width gets the same test at run time."""
+    knobs, isa = TileKnobs(rows=15, vectors=1), isa_for_target(resolve_target("host").tvm_target)
+    if isa.lanes != 16:
+        pytest.skip("the measured tiles are AVX-512's")
+    assert register_tile.short_tiles_cost_less(out_width, knobs, 128, isa) == short
+    width = tvm.tirx.Var("ow", "int64")
+    condition = register_tile.short_tiles_cost_less(width, knobs, 128, isa)
+    analyzer = tvm.sym.Analyzer()
+    analyzer.bind(width, out_width)
+    assert bool(analyzer.simplify(condition)) == short
 
 
 def test_short_tiles_cover_a_narrow_map_once(knob_database):
