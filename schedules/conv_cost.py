@@ -63,6 +63,10 @@ KERNEL_EFFICIENCY = {"direct": 0.55, "width_vectors": 1.0}
 # Before maps of 4 to 14 columns had short tiles (register_tile.SHORT_ROW_TILES), ResNet-18
 # over a symbolic plane ran 9.9 ms at 1x3x128x128 with 0.55 and 13.0 ms with the fitted rate;
 # with them both rates make the same choices there.
+# Stride-1 convs timed since (one 3x3 conv alone over a static plane, 2 threads) ran no faster
+# direct than in the width kernel: 32 ch at 16x16 29.3 against 30.2 us, 64 ch at 32x32 253
+# against 185; so at 32 channels and 16x16 the model picks the direct kernel, where F(4,3)
+# took 10.0 us. A refit over the zoo's convs (`tightfit search`) is due.
 DIRECT_EFFICIENCY_BY_CHANNELS = {24: KERNEL_EFFICIENCY["direct"], 32: 1.45}
 DEFAULT_BYTES_PER_SECOND = 10e9
 WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
@@ -75,9 +79,9 @@ WINOGRAD_TILES = {"winograd_f2": 2, "winograd_f4": 4}
 # multiply-adds); each extra kernel about 1 us of thread-pool launch and VM call (200k).
 # Checked again once the transforms stopped thrashing the L1 cache on planes of a multiple of
 # 4 KB (winograd.py), one 3x3 conv alone over static and symbolic planes, Winograd / width
-# kernel time (the model's ratio): static 16 ch 32x32 0.95 (1.23), 24 ch 32x32 1.10 (1.04),
-# 32 ch 16x16 0.58 (0.97), 32x32 0.85 (0.64), 64 ch 28x28 0.37 (0.38), 32x32 0.40 (0.39),
-# 56x56 0.29 (0.29), 128 ch 16x16 0.46 (0.53); symbolic 16 ch 32x32 0.60, 24 ch 32x32 1.14 and
+# kernel time (the model's ratio): static 16 ch 32x32 0.95 (1.23), 24 ch 32x32 1.10 (1.00),
+# 32 ch 16x16 0.58 (0.90), 32x32 0.85 (0.62), 64 ch 28x28 0.37 (0.37), 32x32 0.40 (0.39),
+# 56x56 0.29 (0.29), 128 ch 16x16 0.46 (0.54); symbolic 16 ch 32x32 0.60, 24 ch 32x32 1.14 and
 # 64x64 0.76, 32 ch 16x16 0.73 and 32x32 0.85, 64 ch 0.31-0.44: the transforms now take as
 # long over a symbolic plane as over a static one (11-28 multiply-adds a value either way), so
 # a symbolic plane is costed like a static one. Wrong only for 16 channels at 32x32 (a tie
