@@ -159,7 +159,8 @@ def short_tiles_cost_less(row_extent, knobs: TileKnobs, columns: int, isa: Vecto
 
     def slots(tile: TileKnobs):
         panels = -(-int(columns) // (tile.vectors * isa.lanes))
-        return (row_extent + tile.rows - 1) // tile.rows * panels * tile_cost(tile.rows, tile.vectors)
+        tiles = (row_extent + tile.rows - 1) // tile.rows
+        return tiles * panels * tile_cost(tile.rows, tile.vectors)
 
     return slots(short) < slots(knobs)
 

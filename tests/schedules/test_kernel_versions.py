@@ -78,10 +78,10 @@ def attention_scores_model() -> onnx.ModelProto:
 
 def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3,
                stride: int = 1, pads: list[int] | None = None,
-               height: int | str = 5) -> onnx.ModelProto:
+               height: int | str = 5, batch: int = 1) -> onnx.ModelProto:
     """kernel x kernel conv, same padding (or `pads`: top, left, bottom, right), over
-    image[1, channels, height, w], bias and ReLU fused; w is the row extent. kernel 1 is the
-    pointwise case, which reads the input unpacked."""
+    image[batch, channels, height, w], bias and ReLU fused; w is the row extent. kernel 1 is
+    the pointwise case, which reads the input unpacked."""
     rng = np.random.default_rng(1)
     pads = [kernel // 2] * 4 if pads is None else pads
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[kernel, kernel],
@@ -89,8 +89,8 @@ def conv_model(channels: int, out_channels: int, groups: int, kernel: int = 3,
                               strides=[stride, stride]),
              helper.make_node("Relu", ["c"], ["y"])]
     return _model("conv", nodes,
-                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, height, "w"])],
-                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, None, None])],
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, channels, height, "w"])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, out_channels, None, None])],
                   [_weight(rng, "w", (out_channels, channels // groups, kernel, kernel)),
                    _weight(rng, "b", (out_channels,))])
 
@@ -828,17 +828,21 @@ def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
 
 
 @pytest.mark.parametrize("algorithm", ["winograd_f2", "winograd_f4"])
-@pytest.mark.parametrize("channels, out_channels", [(4, 17), (16, 32)])
+@pytest.mark.parametrize("channels, out_channels, batch", [(4, 17, 1), (16, 32, 1), (12, 24, 2)])
 def test_winograd_versions_match_onnxruntime_at_tile_edges(knob_database, algorithm, channels,
-                                                           out_channels):
+                                                           out_channels, batch):
     """Output widths on and around whole Winograd tiles (the last tile partly outside the
     image), the height 5 leaving a partial tile row; transforms vectorized over the channels
-    (16 in, 32 out) and not (4 in, 17 out); bias and ReLU fused into the output transform."""
+    (16 in, 32 out) and not (4 in, 17 out); bias and ReLU fused into the output transform.
+    12 -> 24 channels at batch 2: the input gathered in blocks of 8 channels, the last one
+    partial (conv2d.gather_channels_in_blocks), the products written back in 8-lane vectors,
+    and two images' tiles in V and M, their points inside each tile."""
     tile = WINOGRAD_TILES[algorithm]
     widths = sorted({1, tile - 1, tile, tile + 1, 3 * tile + 2})
-    assert_matches_onnxruntime(conv_model(channels, out_channels, groups=1), "winograd",
-                               knob_database, lambda w: {"x": _normal(1, channels, 5, w)}, widths,
-                               conv_algorithms=(algorithm,))
+    assert_matches_onnxruntime(conv_model(channels, out_channels, groups=1, batch=batch),
+                               "winograd", knob_database,
+                               lambda w: {"x": _normal(batch, channels, 5, w)},
+                               widths, conv_algorithms=(algorithm,))
 
 
 def test_dense_whose_rows_are_a_symbolic_multiple_of_the_tile_rows(knob_database):
