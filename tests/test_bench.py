@@ -47,9 +47,28 @@ def test_the_summary_counts_shapes_timed_on_a_busy_or_slow_machine():
                               spread={"tightfit": 0.1, "onnxruntime": 0.2})
     result = ModelBenchmark("m", threads=2, repeat=4,
                             shapes=[steady, busy_ours, busy_theirs])
-    line, = ratio_summary([result])
+    line, target = ratio_summary([result])
     assert line.endswith("2 of the shapes timed with a spread of 20% or more, 1 while TVM's pool "
                          f"took {SLOW_POOL_START_US:g} us or more to start a parallel loop.")
+    assert target == "tightfit/onnxruntime at or below 1.5x (the target) on 3 of 3 shapes."
+
+
+def test_the_summary_names_the_shapes_short_of_each_target_and_the_time_that_meets_it():
+    """The fast-kernels targets: within 1.5x of onnxruntime, 20x faster than TVM's default
+    build. A shape on the line meets it; each one short of it is named with the time it needs."""
+    def timing(x, ours, onnxruntime, tvm_default):
+        return ShapeTiming({"x": [x, 3]}, median_ms={
+            "tightfit": ours, "onnxruntime": onnxruntime, "tvm-default": tvm_default})
+
+    result = ModelBenchmark("m", threads=2, repeat=4, shapes=[
+        timing(1, 0.01, 0.02, 0.2), timing(2, 0.03, 0.02, 0.5), timing(3, 0.0031, 0.002, 0.06)])
+    *_, to_onnxruntime, _, to_tvm = ratio_summary([result])
+    assert to_onnxruntime == ("tightfit/onnxruntime at or below 1.5x (the target) on 2 of 3 "
+                              "shapes; short of it: m at x=3x3 (3.1 us against the 3 us that "
+                              "meets it).")
+    assert to_tvm == ("tightfit/tvm-default at or below 0.05x (the target) on 1 of 3 shapes; "
+                      "short of it: m at x=2x3 (30 us against the 25 us that meets it), m at "
+                      "x=3x3 (3.1 us against the 3 us that meets it).")
 
 
 def test_the_pool_start_probe_times_a_parallel_loop_against_a_serial_call():

@@ -60,6 +60,9 @@ BUSY_SPREAD = 0.2
 # stretches of minutes 1.5-7 us, and in two zoo runs every shape timed at 1.5 us or more had
 # onnxruntime's times up too, conv_dynamic_hw's twice its usual)
 SLOW_POOL_START_US = 1.2
+# The fast-kernels issue's target against each other engine, as tightfit's time over its time:
+# each model within 1.5x of onnxruntime, and 20x faster than TVM's default build.
+TARGET_RATIOS = {"onnxruntime": 1.5, "tvm-default": 1 / 20}
 
 
 @dataclass
@@ -379,7 +382,7 @@ def markdown_table(results: list[ModelBenchmark]) -> str:
             first = timing.first_run_ms
             lines.append("| " + " | ".join([
                 result.model,
-                "; ".join(f"{k}={'x'.join(map(str, v))}" for k, v in timing.shapes.items()),
+                _shape_text(timing.shapes),
                 _fmt(ms.get("tightfit")), _fmt(ms.get("onnxruntime")), _fmt(ms.get("tvm-default")),
                 _fmt(result.ratio(timing, "onnxruntime"), "x"),
                 _fmt(result.ratio(timing, "tvm-default"), "x"),
@@ -428,7 +431,7 @@ def ratio_summary(results: list[ModelBenchmark]) -> list[str]:
             continue
         geomean = math.exp(statistics.fmean(math.log(ratio) for ratio, _, _ in ratios))
         worst, model, timing = max(ratios, key=lambda entry: entry[0])
-        shapes = "; ".join(f"{k}={'x'.join(map(str, v))}" for k, v in timing.shapes.items())
+        shapes = _shape_text(timing.shapes)
         busy = sum(max(timing.spread.get("tightfit", 0.0), timing.spread.get(engine, 0.0))
                    >= BUSY_SPREAD for _, _, timing in ratios)
         slow_pool = sum((timing.pool_start_us or 0.0) >= SLOW_POOL_START_US
@@ -438,7 +441,23 @@ def ratio_summary(results: list[ModelBenchmark]) -> list[str]:
                      f"{model} at {shapes}, {worst:.3g}x; {busy} of the shapes timed with a "
                      f"spread of {BUSY_SPREAD:.0%} or more, {slow_pool} while TVM's pool took "
                      f"{SLOW_POOL_START_US:g} us or more to start a parallel loop.")
+        lines.append(_target_summary(engine, ratios))
     return lines
+
+
+def _target_summary(engine: str, ratios: list[tuple[float, str, ShapeTiming]]) -> str:
+    """How many shapes meet the target against `engine` (TARGET_RATIOS), and for each that
+    does not, tightfit's time and the time that would meet it."""
+    target = TARGET_RATIOS[engine]
+    short = [(model, timing) for ratio, model, timing in ratios if ratio > target]
+    line = (f"tightfit/{engine} at or below {target:.3g}x (the target) on "
+            f"{len(ratios) - len(short)} of {len(ratios)} shapes")
+    if not short:
+        return line + "."
+    return line + "; short of it: " + ", ".join(
+        f"{model} at {_shape_text(timing.shapes)} ({_fmt(timing.median_ms['tightfit'] * 1e3)} us "
+        f"against the {_fmt(timing.median_ms[engine] * target * 1e3)} us that meets it)"
+        for model, timing in short) + "."
 
 
 def write_reports(results: list[ModelBenchmark], directory: str | Path) -> tuple[Path, Path]:
@@ -449,6 +468,10 @@ def write_reports(results: list[ModelBenchmark], directory: str | Path) -> tuple
     markdown_path = directory / "bench.md"
     markdown_path.write_text(markdown_table(results) + "\n")
     return json_path, markdown_path
+
+
+def _shape_text(shapes: dict[str, list[int]]) -> str:
+    return "; ".join(f"{name}={'x'.join(map(str, dims))}" for name, dims in shapes.items())
 
 
 def _fmt(value: float | None, suffix: str = "") -> str:
