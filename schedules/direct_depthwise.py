@@ -1,5 +1,5 @@
-"""Depthwise convs over narrow maps, read straight from the input (issue 5: several versions
-per hot op, for small and large spatial extents; SoD2 §4.4.2's multi-version code).
+"""Depthwise convs read straight from the input (issue 5: several versions per hot op, for
+small and large spatial extents; SoD2 §4.4.2's multi-version code).
 
 The packed depthwise kernel (conv2d.py) first copies each channel padded and split into column
 phases, then sums vectors of the copy in tiles of 4 rows x a vector of columns. On maps of at
@@ -7,7 +7,8 @@ most a vector's width the copy costs as much as the sums, most lanes of each vec
 padding, and the tiles' rows past the map's end are computed too: MobileNetV2's depthwise layers
 at 2x3x160x128 (maps down to 5x4) took 574 us in a run where onnxruntime's took 375 us (576
 channels from 10x8 to 5x4 at stride 2: 64 against 9 us; 960 channels at 5x4: 29 against 12).
-Two direct kernels take those maps, each a run-time version beside the packed kernel's:
+On wide maps at unit stride the copy is a pass over each plane that direct loads do without.
+Three direct kernels, each a run-time version beside the packed kernel's:
 
 - Strided convs, output rows of at most a vector (`_DirectDepthwise`): each output row is
   built as the max pool kernel (pool_kernels.py) builds its rows, with multiply-adds in place
@@ -21,19 +22,28 @@ Two direct kernels take those maps, each a run-time version beside the packed ke
   are skipped with a check per row.
 - Unit-stride convs that keep the map's size, planes narrower than a vector (`_FlatPlane`):
   vectors run over the plane's pixels flattened row after row (below).
+- Unit-stride convs over maps of a vector's width or more and DIRECT_TILE_ROWS rows or more
+  (`_DirectRowTiles`): tiles of DIRECT_TILE_ROWS output rows x a vector of columns read
+  straight from the input, as the packed kernel's 4-row tiles read its copy. Without the copy,
+  twice the rows fit the registers (the packed tile holds its shared input rows there too).
 
-Both apply the fused epilogue (bias, ReLU6) to the sums lane by lane in a vectorized loop, as
-the packed kernel's write-back applies it, and are used where that epilogue reads, besides the
-sums, only values that do not change along a row (the flat kernel: along the plane), with
-dilation 1, for ISAs whose masked loads are fast (isa.VectorISA.fast_masks: AVX-512; NEON's
-4-lane rows are seldom narrow). Measured in one process, 2 threads, per layer alone at batch 2,
-packed -> direct: 576 x 10x8 -> 5x4 36.5 -> 21.8 us, 192 x 20x16 -> 10x8 29.5 -> 15.4 us,
-144 x 40x32 -> 20x16 38.4 -> 28.2 us; 960 x 5x4 21.7 -> 17.3 us, 384 x 10x8 15.5 -> 13.4 us,
-576 x 10x8 and 960 x 7x7 unchanged. Wider rows keep the packed kernel: at stride 2 with two
-vectors a row (96 x 80x64 -> 40x32) direct took 77.3 us against 67.9, the packed copy, made
-once per input row, costing less than three shuffles per tap row and output vector; at stride
-1 the packed tiles share each input row's loads among 4 output rows. Whole MobileNetV2,
-variants in turns: 2269-2315 -> 2079-2085 us at 2x3x160x128, 1x3x224x224 within 1%.
+All three apply the fused epilogue (bias, ReLU6) to the sums lane by lane in a vectorized
+loop, as the packed kernel's write-back applies it, and are used where that epilogue reads,
+besides the sums, only values that do not change along a row (the flat kernel: along the
+plane), with dilation 1, for ISAs whose masked loads are fast (isa.VectorISA.fast_masks:
+AVX-512; NEON loads masked lanes one by one). Measured in one process, 2 threads, per layer
+alone at batch 2, packed -> direct: 576 x 10x8 -> 5x4 36.5 -> 21.8 us, 192 x 20x16 -> 10x8
+29.5 -> 15.4 us, 144 x 40x32 -> 20x16 38.4 -> 28.2 us; 960 x 5x4 21.7 -> 17.3 us, 384 x 10x8
+15.5 -> 13.4 us, 576 x 10x8 and 960 x 7x7 unchanged. Wider strided rows keep the packed
+kernel: at stride 2 with two vectors a row (96 x 80x64 -> 40x32) direct took 77.3 us against
+67.9, the packed copy, made once per input row, costing less than three shuffles per tap row
+and output vector. Whole MobileNetV2, variants in turns: 2269-2315 -> 2079-2085 us at
+2x3x160x128, 1x3x224x224 within 1%. The row tiles, layers alone: DIRECT_TILE_ROWS. Whole
+models, in one process, without and with them (inside a run a layer reads what the kernel
+before it wrote, often from the other core's cache, and gains less than alone):
+mobilenet_v2_style 60.9 -> 53.7 us at 1x3x64x64 and 171.3 -> 149.6 us at 2x3x96x80,
+MobileNetV2 2119 -> 2090 us at 1x3x224x224 and 1872 -> 1860 us at 2x3x160x128, grouped_convnet
+139.6 -> 136.1 and 150.9 -> 147.0 us; MobileNetV2 compiles in 27.1 s against 22.7 s.
 Planes (image x channel) run in parallel above the parallel threshold (dispatch.py).
 """
 
@@ -55,15 +65,25 @@ from .tail_tiles import uses_any
 # quotient lies at least 0.5 / W from an integer, and below 2^20 pixels a plane the rounding
 # errors stay under a quarter of that. Taller planes keep the packed kernel.
 FLAT_PLANE_MAX_PIXELS = 1 << 20
+# Output rows of a unit-stride row tile (`_DirectRowTiles`). Each input row's taps, loaded once
+# per tile, feed every row of the tile that reads them: (rows + 2) x 3 loads for 9 x rows
+# multiply-adds of a 3x3 filter. One conv alone (bias and ReLU6 fused, 2 threads, one process,
+# the variants taking turns), packed kernel / tiles of 4 / 6 / 8 / 12 rows, us: 64 x 2x48x40
+# 29.4 / 24.5 / 21.7 / 21.8 / 21.9, 64 x 2x64x64 53.3 / 44.3 / 41.4 / 42.3 / 46.0, 144 x
+# 2x40x32 42.6 / 30.9 / 28.5 / 27.9 / 32.6, 144 x 1x56x56 49.9 / 43.8 / 42.5 / 38.4 / 44.3;
+# packed / 8 rows: 64 x 1x32x32 8.8 / 5.9, 32 x 1x112x112 47.9 / 37.6, 32 x 2x80x64 32.5 / 26.2.
+DIRECT_TILE_ROWS = 8
 
 
-def narrow_row_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], lanes: int,
-                      work, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
-    """(where it runs, the body) of a direct kernel for the narrow maps of the depthwise kernel
-    function `sch` schedules (its tiles block `tiles`, the packing stage before it, the
-    write-back `out_block` after it with the epilogue inlined), or None where none applies (see
-    the module docstring): strided convs read rows of at most `lanes` output columns directly,
-    unit-stride convs that keep the map's size take planes narrower than `lanes` flat."""
+def direct_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], lanes: int,
+                  registers: int, work, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
+    """(where it runs, the body) of the direct kernels for the depthwise kernel function `sch`
+    schedules (its tiles block `tiles`, the packing stage before it, the write-back `out_block`
+    after it with the epilogue inlined), or None where none applies (see the module
+    docstring): strided convs read rows of at most `lanes` output columns directly; unit-stride
+    convs that keep the map's size take planes narrower than `lanes` flat, and unit-stride
+    convs over maps of at least `lanes` columns and DIRECT_TILE_ROWS rows run in row tiles
+    where the ISA's `registers` hold a tile."""
     kernel_h, kernel_w, stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w = window
     if (dilation_h, dilation_w) != (1, 1):
         return None
@@ -89,18 +109,28 @@ def narrow_row_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], 
     _, _, height, width = data.shape
     _, _, out_height, out_width = epilogue.out.shape
     if stride_w >= 2:
-        kernel, narrow = _DirectDepthwise, out_width <= lanes
-    elif (stride_h == 1 and epilogue.plane_invariant()
-            and analyzer.can_prove_equal(out_height, height)
-            and analyzer.can_prove_equal(out_width, width)):
-        kernel = _FlatPlane
-        narrow = tirx.And(width < lanes, height * width < FLAT_PLANE_MAX_PIXELS)
+        kernels = [(out_width <= lanes, _DirectDepthwise)]
+    elif stride_h == 1:
+        kernels = []
+        if (epilogue.plane_invariant() and analyzer.can_prove_equal(out_height, height)
+                and analyzer.can_prove_equal(out_width, width)):
+            kernels.append((tirx.And(width < lanes, height * width < FLAT_PLANE_MAX_PIXELS),
+                            _FlatPlane))
+        # the tile's sums, an input row's taps and the filter, all in registers
+        if DIRECT_TILE_ROWS + kernel_w + kernel_h * kernel_w <= registers:
+            kernels.append((tirx.And(out_width >= lanes, out_height >= DIRECT_TILE_ROWS),
+                            _DirectRowTiles))
     else:
         return None
+    if not kernels:
+        return None
     # a kernel object per version: each version's loop variables are its own
-    versions = [(condition, kernel(data, weight, epilogue, window, lanes).loop(parallel))
-                for parallel, condition in parallel_buckets(work, min_parallel_work)]
-    return analyzer.simplify(narrow), nested_ifs(versions)
+    versions = [(condition, nested_ifs([
+        (parallel_condition, kernel(data, weight, epilogue, window, lanes).loop(parallel))
+        for parallel, parallel_condition in parallel_buckets(work, min_parallel_work)]))
+        for condition, kernel in kernels]
+    runs = analyzer.simplify(functools.reduce(tirx.Or, [condition for condition, _ in versions]))
+    return runs, nested_ifs(versions[:-1] + [(None, versions[-1][1])])
 
 
 class _Epilogue:
@@ -262,30 +292,33 @@ class _DirectDepthwise(IndexExpressions):
                     for tap_column, tap in enumerate(taps)]
         summed = functools.reduce(lambda total, product: total + product, products,
                                   tirx.BufferLoad(sums, [whole]))
-        lane = tirx.Var("lane", self.index_type)
-        value = self.epilogue.at(self.image, self.channel, self.row, start + lane,
-                                 tirx.BufferLoad(sums, [lane]))
-        out_lanes = [self.image, self.channel, self.row, self._lanes(start, lanes)]
-        if count is None:
-            write_back = tirx.For(lane, self._int(0), self._int(lanes), tirx.ForKind.VECTORIZED,
-                                  tirx.BufferStore(self.out, value,
-                                                   [self.image, self.channel, self.row,
-                                                    start + lane]))
-        else:
-            write_back = tirx.SeqStmt([
-                tirx.For(lane, self._int(0), self._int(lanes), tirx.ForKind.VECTORIZED,
-                         tirx.BufferStore(values, value, [lane])),
-                tirx.Evaluate(masked_store(
-                    self.out, tirx.BufferLoad(values, [whole]), *out_lanes,
-                    tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
-                    < tirx.Broadcast(tirx.Cast("int32", tirx.min(count, lanes)), lanes))),
-            ])
         return tirx.SeqStmt([
             tirx.BufferStore(sums, tirx.Broadcast(tirx.const(0, "float32"), lanes), [whole]),
             tirx.For(tap_row, self._int(0), self._int(kernel_h), tirx.ForKind.SERIAL,
                      tirx.IfThenElse(self._inside(input_row, self.height),
                                      tirx.BufferStore(sums, summed, [whole]), None)),
-            write_back,
+            self._write_back(self.row, start, lambda lane: tirx.BufferLoad(sums, [lane]),
+                             values, count),
+        ])
+
+    def _write_back(self, row, start, summed_at, values: tirx.Buffer, count=None) -> tirx.Stmt:
+        """Store the epilogue of the sums `summed_at(lane)` to the outputs start .. start +
+        lanes - 1 of output row `row`; with `count`, the first `count` of them only."""
+        lanes = self.lanes
+        lane = tirx.Var("lane", self.index_type)
+        value = self.epilogue.at(self.image, self.channel, row, start + lane, summed_at(lane))
+        if count is None:
+            return tirx.For(lane, self._int(0), self._int(lanes), tirx.ForKind.VECTORIZED,
+                            tirx.BufferStore(self.out, value,
+                                             [self.image, self.channel, row, start + lane]))
+        return tirx.SeqStmt([
+            tirx.For(lane, self._int(0), self._int(lanes), tirx.ForKind.VECTORIZED,
+                     tirx.BufferStore(values, value, [lane])),
+            tirx.Evaluate(masked_store(
+                self.out, tirx.BufferLoad(values, [self._lanes(self._int(0), lanes)]),
+                self.image, self.channel, row, self._lanes(start, lanes),
+                tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
+                < tirx.Broadcast(tirx.Cast("int32", tirx.min(count, lanes)), lanes))),
         ])
 
 
@@ -393,3 +426,90 @@ class _FlatPlane(IndexExpressions):
                                        offsets < lanes_of(self.pixels - start))),
         ])
 
+
+
+class _DirectRowTiles(_DirectDepthwise):
+    """The loop nest of one unit-stride depthwise conv over maps at least a vector wide and
+    DIRECT_TILE_ROWS high (one version of it): planes, tiles of DIRECT_TILE_ROWS output rows
+    (the last one shifted back over the one before, its rows computed twice with the same
+    values, as tail_tiles.py shifts tiles), then the rows' column vectors. A tile's input rows
+    are read in turn, each row's taps loaded once and multiplied into the sums of every output
+    row of the tile that reads it; an input row above or below the map is skipped. The filter's
+    taps are copied per plane to a stack array, which LLVM keeps in registers across the
+    plane's tiles.
+
+    Every vector's loads and stores are masked to the row (the lanes outside it count zero,
+    the padding): on AVX-512 a masked load costs what a plain one does, and one kind of vector
+    keeps the code small. Split as `_DirectDepthwise._row` splits a row (masked ends, plain
+    middle), the kernel's code was three times as large and no faster: MobileNetV2 compiled in
+    34.3 s against 27.1 s (22.7 s without row tiles), and mobilenet_v2_style at 2x3x96x80 ran
+    159.5 against 149.6 us."""
+
+    def __init__(self, data: tirx.Buffer, weight: tirx.Buffer, epilogue: _Epilogue,
+                 window: list[int], lanes: int):
+        super().__init__(data, weight, epilogue, window, lanes)
+        rows = self.rows = DIRECT_TILE_ROWS
+        self.group = tirx.Var("row_group", self.index_type)
+        # the last tile shifted back over the one before (tail_tiles.py): out_height >= rows
+        self.row = tirx.max(tirx.min(self.group * rows, self.out_height - rows), self._int(0))
+        kernel_h, kernel_w = window[:2]
+        self.taps = tirx.decl_buffer((kernel_h * kernel_w,), "float32", "depthwise_taps",
+                                     scope="global")
+
+    def loop(self, parallel: bool) -> tirx.Stmt:
+        kind = tirx.ForKind.PARALLEL if parallel else tirx.ForKind.SERIAL
+        kernel_h, kernel_w = self.window[:2]
+        sums = tirx.decl_buffer((self.rows, self.lanes), "float32", "depthwise_sums",
+                                scope="global")
+        values = tirx.decl_buffer((self.lanes,), self.out.dtype, "depthwise_values",
+                                  scope="global")
+        copy_taps = [tirx.BufferStore(self.taps, tirx.BufferLoad(self.weight, [
+            self.channel, self._int(0), self._int(ry), self._int(rx)]), [ry * kernel_w + rx])
+                     for ry in range(kernel_h) for rx in range(kernel_w)]
+        groups = tirx.floordiv(self.out_height + self.rows - 1, self.rows)
+        tiles = tirx.For(self.group, self._int(0), groups, tirx.ForKind.SERIAL,
+                         self._row(sums, values))
+        return tirx.For(self.plane, self._int(0), self.batch * self.channels, kind,
+                        tirx.SeqStmt([tirx.AllocBuffer(sums), tirx.AllocBuffer(values),
+                                      tirx.AllocBuffer(self.taps), *copy_taps, tiles]))
+
+    def _row(self, sums: tirx.Buffer, values: tirx.Buffer) -> tirx.Stmt:
+        """The tile's column vectors, every one masked (`_vector_output` with a count)."""
+        vectors = tirx.floordiv(self.out_width + self.lanes - 1, self.lanes)
+        return self._vectors(self._int(0), vectors, sums, values, masked=True)
+
+    def _vector_output(self, start, sums: tirx.Buffer, values: tirx.Buffer,
+                       count=None) -> tirx.Stmt:
+        """The outputs start .. start + lanes - 1 (the first `count` of them stored) of each
+        output row of the tile."""
+        kernel_h, kernel_w, _, _, pad_top, pad_left = self.window
+        lanes, rows = self.lanes, self.rows
+        whole = self._lanes(self._int(0), lanes)
+        body = [tirx.BufferStore(sums, tirx.Broadcast(tirx.const(0, "float32"), lanes),
+                                 [self._int(row), whole]) for row in range(rows)]
+        for input_offset in range(rows + kernel_h - 1):
+            input_row = self.row - pad_top + input_offset
+            loaded = row_taps(self.data, [self.image, self.channel, input_row], start, kernel_w,
+                              1, pad_left, lanes, 0.0)
+            tap_vars = [tirx.Var(f"tap{rx}", f"float32x{lanes}") for rx in range(kernel_w)]
+            updates = []
+            for row in range(rows):
+                tap_row = input_offset - row
+                if not 0 <= tap_row < kernel_h:
+                    continue
+                products = [tap * tirx.Broadcast(tirx.BufferLoad(
+                    self.taps, [self._int(tap_row * kernel_w + rx)]), lanes)
+                            for rx, tap in enumerate(tap_vars)]
+                updates.append(tirx.BufferStore(sums, functools.reduce(
+                    lambda total, product: total + product, products,
+                    tirx.BufferLoad(sums, [self._int(row), whole])), [self._int(row), whole]))
+            body.append(tirx.IfThenElse(
+                self._inside(input_row, self.height),
+                tirx.SeqStmt([tirx.Bind(var, value) for var, value in zip(tap_vars, loaded)]
+                             + updates), None))
+        for row in range(rows):
+            body.append(self._write_back(
+                self.row + row, start,
+                lambda lane, row=row: tirx.BufferLoad(sums, [self._int(row), lane]),
+                values, count))
+        return tirx.SeqStmt(body)

@@ -88,7 +88,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     kind = str(annotations[KERNEL_ANNOTATION])
     if kind in winograd.TRANSFORM_KERNELS:
         return _schedule_transform(base, block_name, annotations, isa, min_parallel_work)
-    narrow_rows = _direct_narrow_rows(base, block_name, annotations, isa, min_parallel_work)
+    direct = _direct_kernel(base, block_name, annotations, isa, min_parallel_work)
     rows = int(annotations[ROWS_ANNOTATION])
     out_block = _single_consumer(base, base.get_sblock(block_name))
     out_buffer = base.get(out_block).writes[0].source
@@ -134,24 +134,24 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
             parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
         versions.append((condition, apply_rewrites(sch.mod["main"], rewrites)))
     joined = join_versions(versions)
-    if narrow_rows is not None:
-        joined = run_first_where(joined, *narrow_rows)
+    if direct is not None:
+        joined = run_first_where(joined, *direct)
     return joined.with_attr("tirx.is_scheduled", True)
 
 
-def _direct_narrow_rows(base: s_tir.Schedule, block_name: str, annotations: dict,
-                        isa: VectorISA, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
-    """(condition, body) of a depthwise conv's direct kernel for maps of at most a vector's
-    width (direct_depthwise.py), or None where none applies. Only where masked loads are fast:
-    its edge vectors are masked, and with NEON's 4 lanes few rows are narrow."""
+def _direct_kernel(base: s_tir.Schedule, block_name: str, annotations: dict,
+                   isa: VectorISA, min_parallel_work: int) -> tuple[object, tirx.Stmt] | None:
+    """(condition, body) of a depthwise conv's direct kernels, which read the input without
+    packing it (direct_depthwise.py), or None where none applies. Only where masked loads are
+    fast: their edge vectors are masked (NEON loads them lane by lane)."""
     if str(annotations[KERNEL_ANNOTATION]) != conv2d.DEPTHWISE or not isa.fast_masks:
         return None
     sch = base.copy()
     tiles = sch.get_sblock(block_name)
     window = [int(value) for value in annotations[conv2d.DEPTHWISE_WINDOW_ANNOTATION]]
-    return direct_depthwise.narrow_row_kernel(
+    return direct_depthwise.direct_kernel(
         sch, tiles, inline_epilogue(sch, _single_consumer(sch, tiles)), window, isa.lanes,
-        loop_work(base, MAC_KERNELS), min_parallel_work)
+        isa.registers, loop_work(base, MAC_KERNELS), min_parallel_work)
 
 
 def _short_costs_less(base: s_tir.Schedule, block_name: str, annotations: dict, isa: VectorISA):

@@ -1,7 +1,8 @@
 """The direct depthwise kernels (schedules/direct_depthwise.py) take a strided depthwise conv's
-output rows of at most a vector and a unit-stride one's planes narrower than a vector, match
-onnxruntime for every window and map size on both sides of the run-time dispatches, and leave to
-the packed kernel what they do not cover."""
+output rows of at most a vector, a unit-stride one's planes narrower than a vector, and a
+unit-stride one's maps a vector wide and DIRECT_TILE_ROWS high in row tiles; they match
+onnxruntime for every window and map size on both sides of the run-time dispatches, and leave
+to the packed kernel what they do not cover."""
 
 import re
 
@@ -16,7 +17,7 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
-from tightfit.schedules.direct_depthwise import FLAT_PLANE_MAX_PIXELS
+from tightfit.schedules.direct_depthwise import DIRECT_TILE_ROWS, FLAT_PLANE_MAX_PIXELS
 from tightfit.target import resolve_target
 
 from conftest import THRESHOLDS
@@ -33,6 +34,7 @@ WINDOWS = [
     ((3, 5), (1, 2), (1, 2, 0, 1)),  # uneven kernel, strides and pads
     ((3, 3), (1, 1), (1, 1, 1, 1)),  # MobileNet's unit-stride layers: narrow planes read flat
     ((5, 3), (1, 1), (2, 1, 2, 1)),  # an uneven kernel keeping the map's size, flat too
+    ((3, 3), (1, 1), (0, 0, 0, 0)),  # unit stride shrinking the map: row tiles only
 ]
 
 
@@ -73,20 +75,24 @@ def compiled_windows(tmp_path_factory) -> list[dict]:
     return sessions_on_each_side(models, tmp_path_factory.mktemp("knobs"))
 
 
-def test_narrow_maps_of_a_depthwise_conv_are_read_directly(knob_database):
+def test_each_direct_kernel_is_a_version_where_it_applies(knob_database):
     """A strided conv's kernel holds the direct version (its sums, masked loads of the input)
     beside the packed one for wider rows; a unit-stride conv keeping the map's size, the flat
-    version over the plane's pixels; a unit-stride conv that shrinks the map, the packed
-    kernel only."""
+    version over the plane's pixels and the row tiles; a unit-stride conv that shrinks the map,
+    the row tiles only; a 5x5 filter, whose tile would not fit the registers, no row tiles.
+    Each keeps the packed kernel for the maps its direct versions do not take."""
     strided = scheduled_kernel(depthwise_model(*WINDOWS[0]), "depthwise", knob_database)
     assert "depthwise_sums" in strided and re.search(r'T\.masked_load\("float32x\d+", x,', strided)
-    assert "depthwise_input_phases" in strided
+    assert "row_group" not in strided and "depthwise_input_phases" in strided
     same_size = scheduled_kernel(depthwise_model(*WINDOWS[5]), "depthwise", knob_database)
-    assert "depthwise_sums" in same_size and "pixel_vector" in same_size
+    assert "pixel_vector" in same_size and "row_group" in same_size
     assert "depthwise_input_phases" in same_size
-    shrinking = scheduled_kernel(depthwise_model((3, 3), (1, 1), (0, 0, 0, 0)), "depthwise",
-                                 knob_database)
-    assert "depthwise_sums" not in shrinking
+    shrinking = scheduled_kernel(depthwise_model(*WINDOWS[7]), "depthwise", knob_database)
+    assert "row_group" in shrinking and "pixel_vector" not in shrinking
+    assert "depthwise_input_phases" in shrinking
+    five_by_five = scheduled_kernel(depthwise_model((5, 5), (1, 1), (2, 2, 2, 2)), "depthwise",
+                                    knob_database)
+    assert "pixel_vector" in five_by_five and "row_group" not in five_by_five
 
 
 def test_an_epilogue_that_reads_along_the_row_keeps_the_packed_kernel(knob_database):
@@ -109,19 +115,43 @@ def test_an_epilogue_that_reads_along_the_row_keeps_the_packed_kernel(knob_datab
                                run_onnxruntime(model, feeds)["y"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [WINDOWS[0], WINDOWS[5]], ids=["strided", "flat"])
-def test_serial_and_parallel_versions_compile_side_by_side(window):
-    """With the default parallel threshold and only the batch symbolic (a 7x5 map: the direct
-    kernel alone), the kernel holds both work versions of the direct kernel, each with loop
-    variables of its own (one variable in both loops failed code generation), each matching
+@pytest.mark.parametrize("window, spatial", [(WINDOWS[0], (7, 5)), (WINDOWS[5], (7, 5)),
+                                             (WINDOWS[5], (9, 20))],
+                         ids=["strided", "flat", "row_tiles"])
+def test_serial_and_parallel_versions_compile_side_by_side(window, spatial):
+    """With the default parallel threshold and only the batch symbolic (a 7x5 map: the strided
+    or the flat kernel alone; 9x20: the row tiles alone, their last tile shifted back over the
+    first), the kernel holds both work versions of the direct kernel, each with loop variables
+    of its own (one variable in both loops failed code generation), each matching
     onnxruntime."""
-    model = depthwise_model(*window, spatial=(7, 5))
+    model = depthwise_model(*window, spatial=spatial)
     session = tightfit.compile(model).session()
     for batch in (1, 1200):  # below and above the threshold
-        feeds = {"x": np.random.default_rng(batch).standard_normal((batch, CHANNELS, 7, 5))
+        feeds = {"x": np.random.default_rng(batch).standard_normal((batch, CHANNELS, *spatial))
                  .astype(np.float32)}
         np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 6, 7])
+def test_row_tiles_match_onnxruntime_on_both_sides_of_their_edges(compiled_windows, window):
+    """The row tiles run from DIRECT_TILE_ROWS output rows and a vector of output columns:
+    maps on both sides of each edge, a last tile shifted back over one to all but one of the
+    rows before it, serial and parallel."""
+    kernel, _, pads = WINDOWS[window]
+    rows, lanes = DIRECT_TILE_ROWS, 16
+    for out_height, out_width in [(rows, lanes), (rows - 1, lanes), (rows, lanes - 1),
+                                  (rows + 1, lanes + 1), (2 * rows - 1, 2 * lanes - 1),
+                                  (2 * rows + 1, 40)]:
+        height = out_height + kernel[0] - 1 - pads[0] - pads[2]
+        width = out_width + kernel[1] - 1 - pads[1] - pads[3]
+        feeds = {"x": np.random.default_rng(height * width).standard_normal(
+            (2, CHANNELS, height, width)).astype(np.float32)}
+        expected = run_onnxruntime(compiled_windows[window]["model"], feeds)["y"]
+        assert expected.shape[2:] == (out_height, out_width)
+        for side in THRESHOLDS:
+            np.testing.assert_allclose(compiled_windows[window][side].run(feeds)["y"], expected,
+                                       rtol=1e-5, atol=1e-5, err_msg=f"{side}, {feeds['x'].shape}")
 
 
 def test_a_plane_too_tall_for_float_columns_keeps_the_packed_kernel(compiled_windows):
@@ -138,11 +168,12 @@ def test_a_plane_too_tall_for_float_columns_keeps_the_packed_kernel(compiled_win
 
 @given(window=st.integers(0, len(WINDOWS) - 1), batch=st.integers(1, 2),
        height=st.integers(1, 24), width=st.integers(1, 45), seed=st.integers(0, 2 ** 16))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 def test_direct_depthwise_matches_onnxruntime_at_any_map_size(compiled_windows, window, batch,
                                                               height, width, seed):
     """Rows narrower than a vector (the direct kernel: masked vectors only, or a left-padding
-    vector, plain ones and a masked end) and wider ones (the packed kernel), serial and
+    vector, plain ones and a masked end) and wider ones (the packed kernel, or at unit stride
+    from DIRECT_TILE_ROWS rows the row tiles, their last tile shifted back), serial and
     parallel, each checked against onnxruntime."""
     kernel, _, pads = WINDOWS[window]
     assume(height + pads[0] + pads[2] >= kernel[0] and width + pads[1] + pads[3] >= kernel[1])

@@ -707,8 +707,9 @@ def test_wide_packing_rows_end_in_a_shifted_vector(knob_database, monkeypatch, k
     vectors, the last shifted back to end at the row's end, and its two padding columns by two
     stores: no branch per row (the chunks and elements of row_chunks.py). Widths from one vector
     up, with every leftover column count past whole vectors, match. (The packed kernel's own
-    versions: a depthwise conv's narrow planes are read flat otherwise, direct_depthwise.py.)"""
-    monkeypatch.setattr(schedule_kernels, "_direct_narrow_rows", lambda *args: None)
+    versions: otherwise a depthwise conv's unit-stride maps run direct, direct_depthwise.py,
+    from 8 rows up in row tiles.)"""
+    monkeypatch.setattr(schedule_kernels, "_direct_kernel", lambda *args: None)
     model = conv_model(6, 6, groups=groups, stride=1, pads=[1, 1, 1, 1])
     scheduled = _scheduled_kernel(model, kernel, knob_database, (kernel,))
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
