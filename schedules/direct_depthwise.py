@@ -130,6 +130,7 @@ def direct_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], lane
         for parallel, parallel_condition in parallel_buckets(work, min_parallel_work)]))
         for condition, kernel in kernels]
     runs = analyzer.simplify(functools.reduce(tirx.Or, [condition for condition, _ in versions]))
+    # inside `runs`, the last kernel runs wherever the ones before it do not
     return runs, nested_ifs(versions[:-1] + [(None, versions[-1][1])])
 
 
