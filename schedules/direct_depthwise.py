@@ -22,10 +22,11 @@ Three direct kernels, each a run-time version beside the packed kernel's:
   are skipped with a check per row.
 - Unit-stride convs that keep the map's size, planes narrower than a vector (`_FlatPlane`):
   vectors run over the plane's pixels flattened row after row (below).
-- Unit-stride convs over maps of a vector's width or more and DIRECT_TILE_ROWS rows or more
+- Outputs of a vector's width or more and DIRECT_TILE_ROWS rows or more, at any stride
   (`_DirectRowTiles`): tiles of DIRECT_TILE_ROWS output rows x a vector of columns read
   straight from the input, as the packed kernel's 4-row tiles read its copy. Without the copy,
-  twice the rows fit the registers (the packed tile holds its shared input rows there too).
+  twice the rows fit the registers (the packed tile holds its shared input rows there too);
+  at a stride, each input row's loads and shuffles serve every output row that reads it.
 
 All three apply the fused epilogue (bias, ReLU6) to the sums lane by lane in a vectorized
 loop, as the packed kernel's write-back applies it, and are used where that epilogue reads,
@@ -34,16 +35,18 @@ plane), with dilation 1, for ISAs whose masked loads are fast (isa.VectorISA.fas
 AVX-512; NEON loads masked lanes one by one). Measured in one process, 2 threads, per layer
 alone at batch 2, packed -> direct: 576 x 10x8 -> 5x4 36.5 -> 21.8 us, 192 x 20x16 -> 10x8
 29.5 -> 15.4 us, 144 x 40x32 -> 20x16 38.4 -> 28.2 us; 960 x 5x4 21.7 -> 17.3 us, 384 x 10x8
-15.5 -> 13.4 us, 576 x 10x8 and 960 x 7x7 unchanged. Wider strided rows keep the packed
-kernel: at stride 2 with two vectors a row (96 x 80x64 -> 40x32) direct took 77.3 us against
-67.9, the packed copy, made once per input row, costing less than three shuffles per tap row
-and output vector. Whole MobileNetV2, variants in turns: 2269-2315 -> 2079-2085 us at
-2x3x160x128, 1x3x224x224 within 1%. The row tiles, layers alone: DIRECT_TILE_ROWS. Whole
-models, in one process, without and with them (inside a run a layer reads what the kernel
-before it wrote, often from the other core's cache, and gains less than alone):
-mobilenet_v2_style 60.9 -> 53.7 us at 1x3x64x64 and 171.3 -> 149.6 us at 2x3x96x80,
-MobileNetV2 2119 -> 2090 us at 1x3x224x224 and 1872 -> 1860 us at 2x3x160x128, grouped_convnet
-139.6 -> 136.1 and 150.9 -> 147.0 us; MobileNetV2 compiles in 27.1 s against 22.7 s.
+15.5 -> 13.4 us, 576 x 10x8 and 960 x 7x7 unchanged. Wider strided rows, one at a time, lost
+to the packed kernel: at stride 2 with two vectors a row (96 x 80x64 -> 40x32) direct took
+77.3 us against 67.9, the packed copy, made once per input row, costing less than three
+shuffles per tap row and output vector. Whole MobileNetV2, variants in turns: 2269-2315 ->
+2079-2085 us at 2x3x160x128, 1x3x224x224 within 1%. The row tiles, layers alone:
+DIRECT_TILE_ROWS. Whole models, in one process, without and with them at unit stride (inside
+a run a layer reads what the kernel before it wrote, often from the other core's cache, and
+gains less than alone): mobilenet_v2_style 60.9 -> 53.7 us at 1x3x64x64 and 171.3 -> 149.6
+us at 2x3x96x80, MobileNetV2 2119 -> 2090 us at 1x3x224x224 and 1872 -> 1860 us at
+2x3x160x128, grouped_convnet 139.6 -> 136.1 and 150.9 -> 147.0 us; MobileNetV2 compiles in
+27.1 s against 22.7 s. Then at stride 2 as well: MobileNetV2 2138 -> 2129 and 1962 -> 1932 us,
+mobilenet_v2_style 60.1 -> 59.3 and 153.3 -> 149.3 us, compiling in 25.7 s against 23.3 s.
 Planes (image x channel) run in parallel above the parallel threshold (dispatch.py).
 """
 
@@ -65,13 +68,15 @@ from .tail_tiles import uses_any
 # quotient lies at least 0.5 / W from an integer, and below 2^20 pixels a plane the rounding
 # errors stay under a quarter of that. Taller planes keep the packed kernel.
 FLAT_PLANE_MAX_PIXELS = 1 << 20
-# Output rows of a unit-stride row tile (`_DirectRowTiles`). Each input row's taps, loaded once
-# per tile, feed every row of the tile that reads them: (rows + 2) x 3 loads for 9 x rows
+# Output rows of a row tile (`_DirectRowTiles`). Each input row's taps, loaded once per tile,
+# feed every row of the tile that reads them: at unit stride (rows + 2) x 3 loads for 9 x rows
 # multiply-adds of a 3x3 filter. One conv alone (bias and ReLU6 fused, 2 threads, one process,
 # the variants taking turns), packed kernel / tiles of 4 / 6 / 8 / 12 rows, us: 64 x 2x48x40
 # 29.4 / 24.5 / 21.7 / 21.8 / 21.9, 64 x 2x64x64 53.3 / 44.3 / 41.4 / 42.3 / 46.0, 144 x
 # 2x40x32 42.6 / 30.9 / 28.5 / 27.9 / 32.6, 144 x 1x56x56 49.9 / 43.8 / 42.5 / 38.4 / 44.3;
-# packed / 8 rows: 64 x 1x32x32 8.8 / 5.9, 32 x 1x112x112 47.9 / 37.6, 32 x 2x80x64 32.5 / 26.2.
+# packed / 8 rows: 64 x 1x32x32 8.8 / 5.9, 32 x 1x112x112 47.9 / 37.6, 32 x 2x80x64 32.5 / 26.2;
+# at stride 2, packed / 8 rows: 96 x 2x80x64 139.9 / 119.1, 96 x 1x112x112 90.2 / 84.8, 144 x
+# 1x56x56 38.6 / 30.1, 144 x 1x35x50 28.3 / 21.1.
 DIRECT_TILE_ROWS = 8
 
 
@@ -80,10 +85,10 @@ def direct_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], lane
     """(where it runs, the body) of the direct kernels for the depthwise kernel function `sch`
     schedules (its tiles block `tiles`, the packing stage before it, the write-back `out_block`
     after it with the epilogue inlined), or None where none applies (see the module
-    docstring): strided convs read rows of at most `lanes` output columns directly; unit-stride
-    convs that keep the map's size take planes narrower than `lanes` flat, and unit-stride
-    convs over maps of at least `lanes` columns and DIRECT_TILE_ROWS rows run in row tiles
-    where the ISA's `registers` hold a tile."""
+    docstring): strided convs read rows of at most `lanes` output columns directly, unit-stride
+    convs that keep the map's size take planes narrower than `lanes` flat, and outputs of at
+    least `lanes` columns and DIRECT_TILE_ROWS rows run in row tiles where the ISA's
+    `registers` hold a tile."""
     kernel_h, kernel_w, stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w = window
     if (dilation_h, dilation_w) != (1, 1):
         return None
@@ -108,20 +113,20 @@ def direct_kernel(sch: s_tir.Schedule, tiles, out_block, window: list[int], lane
     analyzer = tvm.sym.Analyzer()
     _, _, height, width = data.shape
     _, _, out_height, out_width = epilogue.out.shape
+    kernels = []
     if stride_w >= 2:
-        kernels = [(out_width <= lanes, _DirectDepthwise)]
-    elif stride_h == 1:
-        kernels = []
-        if (epilogue.plane_invariant() and analyzer.can_prove_equal(out_height, height)
-                and analyzer.can_prove_equal(out_width, width)):
-            kernels.append((tirx.And(width < lanes, height * width < FLAT_PLANE_MAX_PIXELS),
-                            _FlatPlane))
-        # the tile's sums, an input row's taps and the filter, all in registers
-        if DIRECT_TILE_ROWS + kernel_w + kernel_h * kernel_w <= registers:
-            kernels.append((tirx.And(out_width >= lanes, out_height >= DIRECT_TILE_ROWS),
-                            _DirectRowTiles))
-    else:
-        return None
+        kernels.append((out_width <= lanes, _DirectDepthwise))
+    elif (stride_h == 1 and epilogue.plane_invariant()
+            and analyzer.can_prove_equal(out_height, height)
+            and analyzer.can_prove_equal(out_width, width)):
+        kernels.append((tirx.And(width < lanes, height * width < FLAT_PLANE_MAX_PIXELS),
+                        _FlatPlane))
+    # the tile's sums, an input row's loads and its taps, and the filter, all in registers
+    loads = stride_w * -(-kernel_w // stride_w)
+    if DIRECT_TILE_ROWS + loads + kernel_w + kernel_h * kernel_w <= registers:
+        # where a version above also holds, it runs (nested_ifs: the first that holds)
+        kernels.append((tirx.And(out_width >= lanes, out_height >= DIRECT_TILE_ROWS),
+                        _DirectRowTiles))
     if not kernels:
         return None
     # a kernel object per version: each version's loop variables are its own
@@ -430,12 +435,13 @@ class _FlatPlane(IndexExpressions):
 
 
 class _DirectRowTiles(_DirectDepthwise):
-    """The loop nest of one unit-stride depthwise conv over maps at least a vector wide and
+    """The loop nest of one depthwise conv whose output is at least a vector wide and
     DIRECT_TILE_ROWS high (one version of it): planes, tiles of DIRECT_TILE_ROWS output rows
     (the last one shifted back over the one before, its rows computed twice with the same
     values, as tail_tiles.py shifts tiles), then the rows' column vectors. A tile's input rows
-    are read in turn, each row's taps loaded once and multiplied into the sums of every output
-    row of the tile that reads it; an input row above or below the map is skipped. The filter's
+    are read in turn, each row's taps loaded once (at a stride, shuffled out of its loads as
+    `row_taps` does) and multiplied into the sums of every output row of the tile that reads
+    it; an input row above or below the map is skipped. The filter's
     taps are copied per plane to a stack array, which LLVM keeps in registers across the
     plane's tiles.
 
@@ -483,19 +489,19 @@ class _DirectRowTiles(_DirectDepthwise):
                        count=None) -> tirx.Stmt:
         """The outputs start .. start + lanes - 1 (the first `count` of them stored) of each
         output row of the tile."""
-        kernel_h, kernel_w, _, _, pad_top, pad_left = self.window
+        kernel_h, kernel_w, stride_h, stride_w, pad_top, pad_left = self.window
         lanes, rows = self.lanes, self.rows
         whole = self._lanes(self._int(0), lanes)
         body = [tirx.BufferStore(sums, tirx.Broadcast(tirx.const(0, "float32"), lanes),
                                  [self._int(row), whole]) for row in range(rows)]
-        for input_offset in range(rows + kernel_h - 1):
-            input_row = self.row - pad_top + input_offset
+        for input_offset in range((rows - 1) * stride_h + kernel_h):
+            input_row = self.row * stride_h - pad_top + input_offset
             loaded = row_taps(self.data, [self.image, self.channel, input_row], start, kernel_w,
-                              1, pad_left, lanes, 0.0)
+                              stride_w, pad_left, lanes, 0.0)
             tap_vars = [tirx.Var(f"tap{rx}", f"float32x{lanes}") for rx in range(kernel_w)]
             updates = []
             for row in range(rows):
-                tap_row = input_offset - row
+                tap_row = input_offset - row * stride_h
                 if not 0 <= tap_row < kernel_h:
                     continue
                 products = [tap * tirx.Broadcast(tirx.BufferLoad(

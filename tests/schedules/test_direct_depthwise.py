@@ -1,6 +1,6 @@
 """The direct depthwise kernels (schedules/direct_depthwise.py) take a strided depthwise conv's
-output rows of at most a vector, a unit-stride one's planes narrower than a vector, and a
-unit-stride one's maps a vector wide and DIRECT_TILE_ROWS high in row tiles; they match
+output rows of at most a vector, a unit-stride one's planes narrower than a vector, and
+outputs a vector wide and DIRECT_TILE_ROWS high in row tiles; they match
 onnxruntime for every window and map size on both sides of the run-time dispatches, and leave
 to the packed kernel what they do not cover."""
 
@@ -76,23 +76,23 @@ def compiled_windows(tmp_path_factory) -> list[dict]:
 
 
 def test_each_direct_kernel_is_a_version_where_it_applies(knob_database):
-    """A strided conv's kernel holds the direct version (its sums, masked loads of the input)
-    beside the packed one for wider rows; a unit-stride conv keeping the map's size, the flat
-    version over the plane's pixels and the row tiles; a unit-stride conv that shrinks the map,
-    the row tiles only; a 5x5 filter, whose tile would not fit the registers, no row tiles.
-    Each keeps the packed kernel for the maps its direct versions do not take."""
+    """A strided conv's kernel holds the direct version for rows of at most a vector (its sums,
+    masked loads of the input) and the row tiles; a unit-stride conv keeping the map's size,
+    the flat version over the plane's pixels and the row tiles; a unit-stride conv that shrinks
+    the map, the row tiles only; a 5x5 filter, whose tile would not fit the registers, no row
+    tiles. Each keeps the packed kernel for the maps its direct versions do not take."""
     strided = scheduled_kernel(depthwise_model(*WINDOWS[0]), "depthwise", knob_database)
     assert "depthwise_sums" in strided and re.search(r'T\.masked_load\("float32x\d+", x,', strided)
-    assert "row_group" not in strided and "depthwise_input_phases" in strided
+    assert "row_group" in strided and "depthwise_input_phases" in strided
     same_size = scheduled_kernel(depthwise_model(*WINDOWS[5]), "depthwise", knob_database)
     assert "pixel_vector" in same_size and "row_group" in same_size
     assert "depthwise_input_phases" in same_size
     shrinking = scheduled_kernel(depthwise_model(*WINDOWS[7]), "depthwise", knob_database)
     assert "row_group" in shrinking and "pixel_vector" not in shrinking
     assert "depthwise_input_phases" in shrinking
-    five_by_five = scheduled_kernel(depthwise_model((5, 5), (1, 1), (2, 2, 2, 2)), "depthwise",
-                                    knob_database)
-    assert "pixel_vector" in five_by_five and "row_group" not in five_by_five
+    for window in [((5, 5), (1, 1), (2, 2, 2, 2)), WINDOWS[2]]:  # 5x5 at stride 1 and 2
+        five_by_five = scheduled_kernel(depthwise_model(*window), "depthwise", knob_database)
+        assert "depthwise_sums" in five_by_five and "row_group" not in five_by_five
 
 
 def test_an_epilogue_that_reads_along_the_row_keeps_the_packed_kernel(knob_database):
@@ -133,18 +133,19 @@ def test_serial_and_parallel_versions_compile_side_by_side(window, spatial):
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [5, 6, 7])
+@pytest.mark.parametrize("window", [0, 3, 5, 6, 7])
 def test_row_tiles_match_onnxruntime_on_both_sides_of_their_edges(compiled_windows, window):
-    """The row tiles run from DIRECT_TILE_ROWS output rows and a vector of output columns:
-    maps on both sides of each edge, a last tile shifted back over one to all but one of the
-    rows before it, serial and parallel."""
-    kernel, _, pads = WINDOWS[window]
+    """The row tiles run from DIRECT_TILE_ROWS output rows and a vector of output columns (at a
+    stride, from just over a vector: rows of one vector are the strided direct kernel's): maps
+    on both sides of each edge, a last tile shifted back over one to all but one of the rows
+    before it, serial and parallel."""
+    kernel, strides, pads = WINDOWS[window]
     rows, lanes = DIRECT_TILE_ROWS, 16
     for out_height, out_width in [(rows, lanes), (rows - 1, lanes), (rows, lanes - 1),
                                   (rows + 1, lanes + 1), (2 * rows - 1, 2 * lanes - 1),
                                   (2 * rows + 1, 40)]:
-        height = out_height + kernel[0] - 1 - pads[0] - pads[2]
-        width = out_width + kernel[1] - 1 - pads[1] - pads[3]
+        height = (out_height - 1) * strides[0] + kernel[0] - pads[0] - pads[2]
+        width = (out_width - 1) * strides[1] + kernel[1] - pads[1] - pads[3]
         feeds = {"x": np.random.default_rng(height * width).standard_normal(
             (2, CHANNELS, height, width)).astype(np.float32)}
         expected = run_onnxruntime(compiled_windows[window]["model"], feeds)["y"]
@@ -172,9 +173,9 @@ def test_a_plane_too_tall_for_float_columns_keeps_the_packed_kernel(compiled_win
 def test_direct_depthwise_matches_onnxruntime_at_any_map_size(compiled_windows, window, batch,
                                                               height, width, seed):
     """Rows narrower than a vector (the direct kernel: masked vectors only, or a left-padding
-    vector, plain ones and a masked end) and wider ones (the packed kernel, or at unit stride
-    from DIRECT_TILE_ROWS rows the row tiles, their last tile shifted back), serial and
-    parallel, each checked against onnxruntime."""
+    vector, plain ones and a masked end) and wider ones (the packed kernel, or from
+    DIRECT_TILE_ROWS rows the row tiles, their last tile shifted back), serial and parallel,
+    each checked against onnxruntime."""
     kernel, _, pads = WINDOWS[window]
     assume(height + pads[0] + pads[2] >= kernel[0] and width + pads[1] + pads[3] >= kernel[1])
     feeds = {"x": np.random.default_rng(seed).standard_normal((batch, CHANNELS, height, width))
