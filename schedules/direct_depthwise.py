@@ -62,7 +62,7 @@ from .dispatch import nested_ifs, parallel_buckets
 from .pool_kernels import IndexExpressions, row_taps
 from .register_tile import STAGE_ANNOTATION
 from .row_chunks import substitute
-from .tail_tiles import uses_any
+from .tail_tiles import shifted_tile_start, uses_any
 
 # The flat kernel finds each lane's row as floor((p + 0.5) x (1 / W)) in float32: the true
 # quotient lies at least 0.5 / W from an integer, and below 2^20 pixels a plane the rounding
@@ -441,9 +441,8 @@ class _DirectRowTiles(_DirectDepthwise):
     values, as tail_tiles.py shifts tiles), then the rows' column vectors. A tile's input rows
     are read in turn, each row's taps loaded once (at a stride, shuffled out of its loads as
     `row_taps` does) and multiplied into the sums of every output row of the tile that reads
-    it; an input row above or below the map is skipped. The filter's
-    taps are copied per plane to a stack array, which LLVM keeps in registers across the
-    plane's tiles.
+    it; an input row above or below the map is skipped. The filter's taps are copied per plane
+    to a stack array, which LLVM keeps in registers across the plane's tiles.
 
     Every vector's loads and stores are masked to the row (the lanes outside it count zero,
     the padding): on AVX-512 a masked load costs what a plain one does, and one kind of vector
@@ -457,8 +456,7 @@ class _DirectRowTiles(_DirectDepthwise):
         super().__init__(data, weight, epilogue, window, lanes)
         rows = self.rows = DIRECT_TILE_ROWS
         self.group = tirx.Var("row_group", self.index_type)
-        # the last tile shifted back over the one before (tail_tiles.py): out_height >= rows
-        self.row = tirx.max(tirx.min(self.group * rows, self.out_height - rows), self._int(0))
+        self.row = shifted_tile_start(self.group * rows, self.out_height, rows)
         kernel_h, kernel_w = window[:2]
         self.taps = tirx.decl_buffer((kernel_h * kernel_w,), "float32", "depthwise_taps",
                                      scope="global")

@@ -39,6 +39,13 @@ def tile_domain(extent, tile: int):
     return tirx.max(extent, tile)
 
 
+def shifted_tile_start(tile_start, extent, tile: int):
+    """Where a tile meant to start at `tile_start` starts: no later than `extent - tile`, so
+    the last tile ends at the extent (extent >= tile; the max keeps a tile of a smaller extent,
+    dispatched elsewhere, from indexing below zero)."""
+    return tirx.max(tirx.min(tile_start, extent - tile), 0)
+
+
 def shift_tail_tile(func: tirx.PrimFunc, row_iters: dict[str, int], tile: int,
                     extent, keep_checks: frozenset[str] = frozenset()) -> tirx.PrimFunc:
     """Rebind the row iterator of each block in `row_iters` (block name -> iterator index) to
@@ -60,7 +67,7 @@ def shift_tail_tile(func: tirx.PrimFunc, row_iters: dict[str, int], tile: int,
         row = values[index]
         tile_start = analyzer.simplify(tirx.floordiv(row, tile) * tile)
         row_in_tile = analyzer.simplify(tirx.floormod(row, tile))
-        values[index] = tirx.max(tirx.min(tile_start, extent - tile), 0) + row_in_tile
+        values[index] = shifted_tile_start(tile_start, extent, tile) + row_in_tile
         if realize.block.name_hint in keep_checks:
             return s_tir.SBlockRealize(values, realize.predicate, realize.block)
         inner_vars = tirx.analysis.undefined_vars(row_in_tile)

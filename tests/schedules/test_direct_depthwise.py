@@ -18,6 +18,7 @@ from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.direct_depthwise import DIRECT_TILE_ROWS, FLAT_PLANE_MAX_PIXELS
+from tightfit.schedules.isa import isa_for_target
 from tightfit.target import resolve_target
 
 from conftest import THRESHOLDS
@@ -140,7 +141,7 @@ def test_row_tiles_match_onnxruntime_on_both_sides_of_their_edges(compiled_windo
     on both sides of each edge, a last tile shifted back over one to all but one of the rows
     before it, serial and parallel."""
     kernel, strides, pads = WINDOWS[window]
-    rows, lanes = DIRECT_TILE_ROWS, 16
+    rows, lanes = DIRECT_TILE_ROWS, isa_for_target(resolve_target("host").tvm_target).lanes
     for out_height, out_width in [(rows, lanes), (rows - 1, lanes), (rows, lanes - 1),
                                   (rows + 1, lanes + 1), (2 * rows - 1, 2 * lanes - 1),
                                   (2 * rows + 1, 40)]:
@@ -153,6 +154,18 @@ def test_row_tiles_match_onnxruntime_on_both_sides_of_their_edges(compiled_windo
         for side in THRESHOLDS:
             np.testing.assert_allclose(compiled_windows[window][side].run(feeds)["y"], expected,
                                        rtol=1e-5, atol=1e-5, err_msg=f"{side}, {feeds['x'].shape}")
+
+
+@pytest.mark.parametrize("rows, kernels", [(DIRECT_TILE_ROWS, {"row_group"}),
+                                           (DIRECT_TILE_ROWS - 1, {"depthwise_input_phases"})])
+def test_a_static_map_compiles_only_the_kernel_that_runs_there(knob_database, rows, kernels):
+    """Over a static map the dispatch is decided when compiling: a 20-wide map from
+    DIRECT_TILE_ROWS output rows up holds the row tiles alone, one row fewer the packed kernel
+    alone."""
+    scheduled = scheduled_kernel(depthwise_model(*WINDOWS[7], spatial=(rows + 2, 22)),
+                                 "depthwise", knob_database)
+    present = {name for name in ("row_group", "depthwise_input_phases") if name in scheduled}
+    assert present == kernels
 
 
 def test_a_plane_too_tall_for_float_columns_keeps_the_packed_kernel(compiled_windows):
