@@ -43,7 +43,7 @@ from tvm import s_tir, te, tirx
 
 from .isa import VectorISA
 from .padding import PADDING_ANNOTATION
-from .prefetch import PREFETCH_MIN_CHANNELS
+from .prefetch import PREFETCH_MIN_CHANNELS, PREFETCH_MIN_WEIGHT_BYTES
 from .register_tile import (
     KERNEL_ANNOTATION,
     MAX_ROWS,
@@ -500,7 +500,7 @@ def schedule_width_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent, ou
         else:
             sch.unroll(write_channels)
             sch.vectorize(write_columns)
-        prefetch = (_prefetch_input(sch, tiles, reductions[0])
+        prefetch = (_prefetch_operands(sch, tiles, reductions[0])
                     if flat and not reads_padded_input else [])
         return (_column_tile_rewrites(sch, version, row_iters, vectors * isa.lanes, row_extent,
                                       out_name, ow_outer) + pack_rows + prefetch)
@@ -571,19 +571,24 @@ def _schedule_channel_vectors(sch: s_tir.Schedule, tiles, out_block, row_extent,
     row_iters = {sch.get(tiles).name_hint: 2, sch.get(init).name_hint: 2,
                  sch.get(out_block).name_hint: out_row_axis}
     return ([("shift", row_iters, pixels, row_extent)]
-            + _prefetch_input(sch, tiles, reductions[0]))
+            + _prefetch_operands(sch, tiles, reductions[0]))
 
 
-def _prefetch_input(sch: s_tir.Schedule, tiles, channel_loop) -> list[tuple]:
-    """The prefetch rewrite (prefetch.py) of a pointwise conv's input, read as it is, where the
-    reduction over its channels is long enough to pay for it."""
+def _prefetch_operands(sch: s_tir.Schedule, tiles, channel_loop) -> list[tuple]:
+    """The prefetch rewrites (prefetch.py) of a pointwise conv's operands: its input, read as
+    it is, where the reduction over its channels is long enough to pay for it, and its packed
+    weights where they are too large to stay in L2 from one run to the next."""
+    block = sch.get(tiles)
+    own = block.writes[0].source.name
+    data, weights = (region.source.name for region in block.reads if region.source.name != own)
     channels = sch.get(channel_loop).extent
-    if not (isinstance(channels, tirx.IntImm) and channels.value >= PREFETCH_MIN_CHANNELS):
-        return []
-    own = sch.get(tiles).writes[0].source.name
-    data = next(region.source.name for region in sch.get(tiles).reads
-                if region.source.name != own)
-    return [("prefetch", sch.get(tiles).name_hint, sch.get(channel_loop).loop_var, data)]
+    channel_var = sch.get(channel_loop).loop_var
+    rewrites = []
+    if isinstance(channels, tirx.IntImm) and channels.value >= PREFETCH_MIN_CHANNELS:
+        rewrites.append(("prefetch", block.name_hint, channel_var, data))
+    if int(block.annotations[WEIGHT_BYTES_ANNOTATION]) >= PREFETCH_MIN_WEIGHT_BYTES:
+        rewrites.append(("prefetch", block.name_hint, channel_var, weights))
+    return rewrites
 
 
 def pack_input_phases(data: te.Tensor, tile_w, kernel_w: int, strides, padding, dilation,

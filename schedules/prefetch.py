@@ -1,4 +1,4 @@
-"""Software prefetch of a pointwise conv's input, channels ahead of the reduction.
+"""Software prefetch of a pointwise conv's input and weights, channels ahead of the reduction.
 
 A pointwise conv over NCHW reads, for each input channel, one tile's run of pixels: a line or
 two, a whole channel plane (H x W floats) past the last. Inside a model that input is never
@@ -9,9 +9,17 @@ at 14x14, two threads: 84 us with its input in both cores' caches, 160 us with i
 hide that walk; asking for the lines a few dozen channels ahead does (182 -> 98 us in the
 model's run).
 
-`prefetch_channels_ahead` asks for the tile's pixels of channel c + PREFETCH_CHANNELS_AHEAD at
-the top of the reduction loop's step for channel c. A prefetch never faults, so the steps near
-the last channel may ask for lines past it.
+The packed weights stream from beyond L2 in every run of a model whose weights outgrow it
+(MobileNetV2's 14 MB): each step of the reduction reads one row of the tile's weight panel, a
+line or two, the next step the next row, and the CPU's prefetchers left the kernels waiting on
+them. Asked for 32 channels ahead too (the last steps of a panel ask for the next panel's first
+rows), MobileNetV2's layers in a run (profiler, 3 rounds in each order) took: 160 -> 960 at
+7x7 -18%, 960 -> 160, 960 -> 320 and 576 -> 160 -8 to -10%, 320 -> 1280 -8%, 64 -> 384 and
+96 -> 576 at 14x14 -4 to -7%.
+
+`prefetch_channels_ahead` asks for the tile's pixels (or its weight panel's row) of channel
+c + PREFETCH_CHANNELS_AHEAD at the top of the reduction loop's step for channel c. A prefetch
+never faults, so the steps near the last channel may ask for lines past it.
 """
 
 from __future__ import annotations
@@ -35,6 +43,12 @@ PREFETCH_CHANNELS_AHEAD = 32
 # or less (576 -> 96 at 14x14: 182 -> 98 us; 384 -> 96: 90 -> 64 us; 960 -> 320 at 7x7:
 # 189 -> 166 us).
 PREFETCH_MIN_CHANNELS = 256
+# Packed weights from this size are prefetched: smaller ones are a small part of a run's misses
+# and stay in L2 between runs of a small model. MobileNetV2 in one process, 20 rounds in turns,
+# against no weight prefetch (4.89 and 3.51 ms, on a slow stretch of the host): prefetching
+# every pointwise conv's weights 4.76 / 3.44 ms, from 64 KiB 4.75 / 3.40 ms, at 1x3x224x224 and
+# 2x3x160x128.
+PREFETCH_MIN_WEIGHT_BYTES = 64 << 10
 
 
 def prefetch_channels_ahead(func: tirx.PrimFunc, block_name: str, channel_var: tirx.Var,

@@ -27,7 +27,11 @@ from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
 from tightfit.schedules.knob_database import KnobDatabase
-from tightfit.schedules.prefetch import PREFETCH_CHANNELS_AHEAD, PREFETCH_MIN_CHANNELS
+from tightfit.schedules.prefetch import (
+    PREFETCH_CHANNELS_AHEAD,
+    PREFETCH_MIN_CHANNELS,
+    PREFETCH_MIN_WEIGHT_BYTES,
+)
 from tightfit.schedules import register_tile
 from tightfit.schedules.register_tile import SYMBOLIC_COLUMNS, TileKnobs, default_tile_knobs
 from tightfit.schedules.tail_tiles import rewrite_loop_nest
@@ -522,6 +526,33 @@ def test_long_pointwise_reductions_prefetch_the_tile_channels_ahead(knob_databas
                                lambda plane: {"x": _normal(2, PREFETCH_MIN_CHANNELS, *plane),
                                               "r": _normal(2, 17, *plane)},
                                [(1, lanes), (4, lanes // 4 + 1), (7, 7), (3, 2 * lanes + 1)],
+                               conv_algorithms=("width_vectors",))
+
+
+@pytest.mark.parametrize("channels", [128, PREFETCH_MIN_CHANNELS],
+                         ids=["row_tiles", "channel_vectors"])
+def test_pointwise_weights_over_the_threshold_prefetch_their_rows_channels_ahead(knob_database,
+                                                                                channels):
+    """Packed weights of PREFETCH_MIN_WEIGHT_BYTES or more: each channel's step asks for its
+    weight panel's row PREFETCH_CHANNELS_AHEAD channels on, in either tile form; a quarter of
+    the output channels (weights under the threshold) asks for no weight, while a reduction
+    over PREFETCH_MIN_CHANNELS still asks for its input; the output still matches onnxruntime
+    over two images around the tile edges."""
+    out_channels = PREFETCH_MIN_WEIGHT_BYTES // 4 // channels
+    model = pointwise_residual_model(channels, out_channels)
+    kernel = _scheduled_kernel(model, "conv2d", knob_database, ("width_vectors",))
+    ahead = re.findall(r'"llvm.prefetch", T.address_of\(w_rows\[.*?, rc \+ T.int64\((\d+)\), '
+                       r'T.int64\(\d+\)\]\)', kernel)
+    assert ahead and {int(channels) for channels in ahead} == {PREFETCH_CHANNELS_AHEAD}
+    small = _scheduled_kernel(pointwise_residual_model(channels, out_channels // 4), "conv2d",
+                              knob_database, ("width_vectors",))
+    assert "llvm.prefetch" in small or channels < PREFETCH_MIN_CHANNELS
+    assert "address_of(w_rows" not in small
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    assert_matches_onnxruntime(model, "conv2d_width_vectors", knob_database,
+                               lambda plane: {"x": _normal(2, channels, *plane),
+                                              "r": _normal(2, out_channels, *plane)},
+                               [(1, lanes), (7, 7), (3, 2 * lanes + 1)],
                                conv_algorithms=("width_vectors",))
 
 
