@@ -48,6 +48,7 @@ from .register_tile import (
     KERNEL_ANNOTATION,
     MAX_ROWS,
     OUTPUT_ROW_AXIS_ANNOTATION,
+    PREFETCH_WEIGHT_ANNOTATION,
     REDUCTION_UNROLL_ANNOTATION,
     ROW_TILES,
     ROW_TILES_OUTER_MAX_WEIGHT_BYTES,
@@ -191,7 +192,8 @@ def conv2d_direct(data: te.Tensor, packed_weight: te.Tensor, out_channels: int, 
                        attrs={KERNEL_ANNOTATION: DIRECT, ROWS_ANNOTATION: rows,
                               VECTORS_ANNOTATION: vectors, OUTPUT_ROW_AXIS_ANNOTATION: 3,
                               REDUCTION_UNROLL_ANNOTATION: reduction_unroll,
-                              **_one_tile_row_weight_bytes(out_w, rows, packed_weight)})
+                              **_one_tile_row_weight_bytes(out_w, rows, packed_weight),
+                              **_prefetched_weight(packed_weight)})
     return te.compute((batch, out_channels, out_h, out_w), lambda n, o, h, w: tiles[n, h, w, o],
                       name="conv2d_out")
 
@@ -207,6 +209,14 @@ def _one_tile_row_weight_bytes(out_w, rows: int, packed_weight: te.Tensor) -> di
     outermost regardless (register_tile.SHORT_ROW_TILES)."""
     if isinstance(out_w, (int, tirx.IntImm)) and int(out_w) <= rows:
         return {WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 5)}
+    return {}
+
+
+def _prefetched_weight(packed_weight: te.Tensor) -> dict:
+    """PREFETCH_WEIGHT_ANNOTATION for a direct conv whose packed weight is
+    PREFETCH_MIN_WEIGHT_BYTES or more (prefetch.py); the tiles read it last."""
+    if weight_bytes(packed_weight, 5) >= PREFETCH_MIN_WEIGHT_BYTES:
+        return {PREFETCH_WEIGHT_ANNOTATION: 1}
     return {}
 
 

@@ -27,8 +27,8 @@ Three versions cover a symbolic row extent M (dispatch.py picks at run time):
 A static row extent smaller than the register budget's tile (a GEMV-like layer) gets wider
 panels instead, up to SKINNY_VECTORS vectors (default_tile_knobs).
 Limits: fp32; the reduction is not blocked for the cache (fine while one B panel, K x NB
-floats, fits in L2: K <= 8192 at NB = 32); no software prefetch in these GEMM tiles (a
-pointwise conv's input has it: prefetch.py).
+floats, fits in L2: K <= 8192 at NB = 32); software prefetch only of a direct conv's large
+weight (PREFETCH_WEIGHT_ANNOTATION; prefetch.py says where it did not pay).
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ STAGE_ANNOTATION = "tightfit.stage"
 # On a tiles block: the bytes of the packed weight it reads (dense and pointwise kernels), for
 # the loop order.
 WEIGHT_BYTES_ANNOTATION = "tightfit.weight_bytes"
+# On a tiles block: prefetch its packed weight, the last buffer it reads, steps of the innermost
+# reduction loop ahead (prefetch.py; a direct conv's large weight: conv2d.conv2d_direct).
+PREFETCH_WEIGHT_ANNOTATION = "tightfit.prefetch_weight"
 
 ROW_TILES = "row_tiles"
 SHORT_ROW_TILES = "short_row_tiles"
@@ -243,6 +246,7 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
     sch.vectorize(col_lane)
     init_block = sch.decompose_reduction(tiles_block, reductions[0])
     _vectorize_write_back(sch, out_block, isa)
+    prefetch = _prefetch_weight(sch, tiles_block, reductions[-1])
     if version in (ROW_TILES, SHORT_ROW_TILES):
         row_iters = {sch.get(tiles_block).name_hint: spatial_count - 2,
                      sch.get(init_block).name_hint: spatial_count - 2,
@@ -250,7 +254,7 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
         # a write-back checking its columns (a symbolic or partial last panel) stores each row
         # with masked vector stores: TVM scalarizes a vector loop under a per-column check
         rewrites = [("shift", row_iters, knobs.rows, row_extent),
-                    ("write_rows", sch.get(out_block).name_hint)]
+                    ("write_rows", sch.get(out_block).name_hint)] + prefetch
         if version == ROW_TILES:
             return rewrites
         # a direct conv's row domain is max(OW, rows) (conv2d.conv2d_direct): its short tiles
@@ -258,7 +262,17 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
         return rewrites + [("restrict", sch.get(row_outer).loop_var,
                             tirx.floordiv(row_extent + knobs.rows - 1, knobs.rows))]
     return [("restrict", sch.get(row).loop_var, row_extent),
-            ("write_rows", sch.get(out_block).name_hint)]
+            ("write_rows", sch.get(out_block).name_hint)] + prefetch
+
+
+def _prefetch_weight(sch: s_tir.Schedule, tiles_block, reduction_loop) -> list[tuple]:
+    """The prefetch rewrite of the tiles' packed weight along `reduction_loop` where the block
+    asks for it (PREFETCH_WEIGHT_ANNOTATION)."""
+    block = sch.get(tiles_block)
+    if PREFETCH_WEIGHT_ANNOTATION not in block.annotations:
+        return []
+    weight = block.reads[-1].source.name
+    return [("prefetch", block.name_hint, sch.get(reduction_loop).loop_var, weight)]
 
 
 def apply_rewrites(func: tirx.PrimFunc, rewrites: list[tuple]) -> tirx.PrimFunc:

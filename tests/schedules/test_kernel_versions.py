@@ -287,6 +287,27 @@ def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_datab
                                conv_algorithms=("direct",))
 
 
+def test_direct_conv_weights_over_the_threshold_prefetch_their_rows_channels_ahead(knob_database):
+    """A direct conv whose packed weight is PREFETCH_MIN_WEIGHT_BYTES or more asks, at each
+    input channel's step, for its panel's row PREFETCH_CHANNELS_AHEAD channels on, in every
+    version (the tiles' reduction unrolled or not); one with a quarter of the output channels
+    asks for nothing; the output still matches onnxruntime at widths of each version."""
+    channels = 64
+    out_channels = PREFETCH_MIN_WEIGHT_BYTES // 4 // (9 * channels)
+    model = conv_model(channels, out_channels, groups=1, stride=2)
+    kernel = _scheduled_kernel(model, "conv2d", knob_database, ("direct",))
+    ahead = re.findall(r'"llvm.prefetch", T.address_of\(w_panels\[.*?, rc(?:_0)? \+ T.int64\((\d+)\), ',
+                       kernel)
+    assert len(ahead) >= 3 and {int(channels) for channels in ahead} == {PREFETCH_CHANNELS_AHEAD}
+    assert "llvm.prefetch" not in _scheduled_kernel(
+        conv_model(channels, out_channels // 4, groups=1, stride=2), "conv2d", knob_database,
+        ("direct",))
+    rows = host_rows(out_channels, CONV_PANEL_WIDTH)
+    assert_matches_onnxruntime(model, "conv2d_direct", knob_database,
+                               lambda w: {"x": _normal(1, channels, 5, w)},
+                               [1, 2 * rows - 1, 2 * rows + 5], conv_algorithms=("direct",))
+
+
 @pytest.mark.parametrize("out_width, short", [(15, False), (16, True), (20, True), (30, False),
                                                (31, True)])
 def test_short_tiles_run_where_long_ones_would_compute_many_rows_twice(out_width, short):
