@@ -49,11 +49,12 @@ PREFETCH_CHANNELS_AHEAD = 32
 # or less (576 -> 96 at 14x14: 182 -> 98 us; 384 -> 96: 90 -> 64 us; 960 -> 320 at 7x7:
 # 189 -> 166 us).
 PREFETCH_MIN_CHANNELS = 256
-# Packed weights from this size are prefetched: smaller ones are a small part of a run's misses
-# and stay in L2 between runs of a small model. MobileNetV2 in one process, 20 rounds in turns,
-# against no weight prefetch (4.89 and 3.51 ms, on a slow stretch of the host): prefetching
-# every pointwise conv's weights 4.76 / 3.44 ms, from 64 KiB 4.75 / 3.40 ms, at 1x3x224x224 and
-# 2x3x160x128.
+# Packed weights from this size are prefetched: a small model's weights stay in L2 from one run
+# to the next, where a prefetch is two instructions a step for nothing. MobileNetV2 in one
+# process, 20 rounds in turns, against no weight prefetch (4.89 and 3.51 ms, on a slow stretch
+# of the host): prefetching every pointwise conv's weights 4.76 / 3.44 ms, from 64 KiB 4.75 /
+# 3.40 ms, at 1x3x224x224 and 2x3x160x128. The small zoo CNNs (mobilenet_v2_style,
+# grouped_convnet) ran within that stretch's noise (+-10%) either way.
 PREFETCH_MIN_WEIGHT_BYTES = 64 << 10
 
 
