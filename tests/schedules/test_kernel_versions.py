@@ -880,6 +880,20 @@ def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
     assert tightfit.compile(model, target=ARM64).executable is not None
 
 
+@pytest.mark.parametrize("model, algorithm",
+                         [(pointwise_residual_model(128, 128), "width_vectors"),
+                          (conv_model(64, 32, groups=1, stride=2), "direct")],
+                         ids=["pointwise", "direct"])
+def test_weight_prefetches_compile_for_arm64(model, algorithm):
+    """A conv whose packed weight is over PREFETCH_MIN_WEIGHT_BYTES with 4-lane panels too
+    asks for its weight rows ahead, and LLVM lowers the prefetches for aarch64."""
+    options = PipelineOptions(conv_algorithms=(algorithm,))
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target(ARM64), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    assert re.search(r'"llvm.prefetch", T.address_of\(w_(rows|panels)\[', scheduled.script())
+    assert tightfit.compile(model, target=ARM64, options=options).executable is not None
+
+
 @pytest.mark.parametrize("algorithm", ["winograd_f2", "winograd_f4"])
 @pytest.mark.parametrize("channels, out_channels, batch", [(4, 17, 1), (16, 32, 1), (12, 24, 2)])
 def test_winograd_versions_match_onnxruntime_at_tile_edges(knob_database, algorithm, channels,
