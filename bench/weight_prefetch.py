@@ -1,9 +1,10 @@
 """Weight prefetch on and off (schedules/prefetch.py) in whole zoo models, in one process.
 
 Each model is compiled twice: as tightfit builds it, and with PREFETCH_MIN_WEIGHT_BYTES out of
-reach, so that no conv prefetches its weights. The two sessions take turns, the order swapped
-every round (the second of a pair ran a few percent faster on a busy host); a turn pauses, runs
-the model untimed for 50 ms, then takes the median of 10 timed runs. The table gives each side's
+reach, so that no conv prefetches its weights; a prefetch changes no arithmetic, so both must
+give the same outputs bit for bit. The two sessions take turns, the order swapped every round
+(the second of a pair ran a few percent faster on a busy host); a turn pauses and warms up as
+`tightfit bench`'s do, then takes the median of 10 timed runs. The table gives each side's
 median over the rounds and their ratio. Usage:
     .venv/bin/python bench/weight_prefetch.py [rounds] [model ...]
 """
@@ -12,15 +13,16 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 import tightfit
 import tightfit.schedules.conv2d as conv2d
+from tightfit.bench import PAUSE_BETWEEN_ENGINES_S, WARM_UP_PER_TURN_S, run_for
 from tightfit.feeds import random_feeds
 from tightfit.frontend import declared_inputs
 from tightfit.testing import zoo
 
 MODELS = ["mobilenet_v2", "resnet18"]
-PAUSE_S = 0.05
-WARM_UP_S = 0.05
 RUNS_PER_TURN = 10
 
 
@@ -34,10 +36,8 @@ def compile_with_min_weight_bytes(model, min_weight_bytes: int):
 
 
 def turn_seconds(session, feeds) -> float:
-    time.sleep(PAUSE_S)
-    start = time.perf_counter()
-    while time.perf_counter() - start < WARM_UP_S:
-        session.run(feeds)
+    time.sleep(PAUSE_BETWEEN_ENGINES_S)
+    run_for(session.run, feeds, WARM_UP_PER_TURN_S)
     times = []
     for _ in range(RUNS_PER_TURN):
         start = time.perf_counter()
@@ -57,6 +57,9 @@ def main(rounds: int, names: list[str]) -> None:
         for shapes in entry.shape_sets:
             feeds = (entry.feeds(shapes) if entry.feeds
                      else random_feeds(declared_inputs(model.graph), shapes, seed=0))
+            outputs = {side: session.run(feeds) for side, session in sessions.items()}
+            for output, value in outputs["on"].items():
+                np.testing.assert_array_equal(value, outputs["off"][output])
             times = {side: [] for side in sessions}
             for round_index in range(rounds):
                 order = ["on", "off"] if round_index % 2 == 0 else ["off", "on"]

@@ -59,6 +59,7 @@ from .register_tile import (
     WEIGHT_BYTES_ANNOTATION,
     TileKnobs,
     tile_cost,
+    tile_operands,
     weight_bytes,
 )
 
@@ -214,7 +215,7 @@ def _one_tile_row_weight_bytes(out_w, rows: int, packed_weight: te.Tensor) -> di
 
 def _prefetched_weight(packed_weight: te.Tensor) -> dict:
     """PREFETCH_WEIGHT_ANNOTATION for a direct conv whose packed weight is
-    PREFETCH_MIN_WEIGHT_BYTES or more (prefetch.py); the tiles read it last."""
+    PREFETCH_MIN_WEIGHT_BYTES or more (prefetch.py)."""
     if weight_bytes(packed_weight, 5) >= PREFETCH_MIN_WEIGHT_BYTES:
         return {PREFETCH_WEIGHT_ANNOTATION: 1}
     return {}
@@ -589,8 +590,7 @@ def _prefetch_operands(sch: s_tir.Schedule, tiles, channel_loop) -> list[tuple]:
     it is, where the reduction over its channels is long enough to pay for it, and its packed
     weights where they are too large to stay in L2 from one run to the next."""
     block = sch.get(tiles)
-    own = block.writes[0].source.name
-    data, weights = (region.source.name for region in block.reads if region.source.name != own)
+    data, weights = tile_operands(block)
     channels = sch.get(channel_loop).extent
     channel_var = sch.get(channel_loop).loop_var
     rewrites = []

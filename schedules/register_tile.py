@@ -57,7 +57,7 @@ STAGE_ANNOTATION = "tightfit.stage"
 # On a tiles block: the bytes of the packed weight it reads (dense and pointwise kernels), for
 # the loop order.
 WEIGHT_BYTES_ANNOTATION = "tightfit.weight_bytes"
-# On a tiles block: prefetch its packed weight, the last buffer it reads, steps of the innermost
+# On a tiles block: prefetch its packed weight (`tile_operands`) steps of the innermost
 # reduction loop ahead (prefetch.py; a direct conv's large weight: conv2d.conv2d_direct).
 PREFETCH_WEIGHT_ANNOTATION = "tightfit.prefetch_weight"
 
@@ -265,13 +265,21 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
             ("write_rows", sch.get(out_block).name_hint)] + prefetch
 
 
+def tile_operands(block) -> tuple[str, str]:
+    """The names of the buffers a tiles block multiplies, (input, packed weight): its reads
+    other than its own accumulators, in the order its value reads them."""
+    own = block.writes[0].source.name
+    data, weight = (region.source.name for region in block.reads if region.source.name != own)
+    return data, weight
+
+
 def _prefetch_weight(sch: s_tir.Schedule, tiles_block, reduction_loop) -> list[tuple]:
     """The prefetch rewrite of the tiles' packed weight along `reduction_loop` where the block
     asks for it (PREFETCH_WEIGHT_ANNOTATION)."""
     block = sch.get(tiles_block)
     if PREFETCH_WEIGHT_ANNOTATION not in block.annotations:
         return []
-    weight = block.reads[-1].source.name
+    _, weight = tile_operands(block)
     return [("prefetch", block.name_hint, sch.get(reduction_loop).loop_var, weight)]
 
 

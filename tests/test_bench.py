@@ -6,7 +6,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import time
 
-from tightfit.bench import (SLOW_POOL_START_US, ModelBenchmark, ShapeTiming, _fmt, _run_for,
+from tightfit.bench import (SLOW_POOL_START_US, ModelBenchmark, ShapeTiming, _fmt, run_for,
                             benchmark_model, markdown_table, pool_start_us, quartile_spread,
                             ratio_summary, run_job_io, run_worker)
 from tightfit.bench_loading import benchmark_loading
@@ -89,11 +89,11 @@ def test_spread_is_the_interquartile_range_over_the_median():
 def test_warm_up_runs_until_its_time_is_spent_and_at_least_once():
     starts = []
     started = time.perf_counter()
-    _run_for(lambda feeds: starts.append(time.perf_counter()), {}, 0.02)
+    run_for(lambda feeds: starts.append(time.perf_counter()), {}, 0.02)
     # The last run starts just before the deadline; it is the return that comes after it.
     assert len(starts) > 1 and time.perf_counter() - started >= 0.02
     slow_starts = []
-    _run_for(lambda feeds: (slow_starts.append(0), time.sleep(0.03)), {}, 0.02)
+    run_for(lambda feeds: (slow_starts.append(0), time.sleep(0.03)), {}, 0.02)
     assert len(slow_starts) == 1
 
 

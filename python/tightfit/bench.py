@@ -131,7 +131,7 @@ def benchmark_model(
             runs_this_turn = repeat // ROUNDS + (turn < repeat % ROUNDS)
             for engine, run in runners.items():
                 time.sleep(PAUSE_BETWEEN_ENGINES_S)
-                _run_for(run, feeds, WARM_UP_PER_TURN_S)
+                run_for(run, feeds, WARM_UP_PER_TURN_S)
                 for _ in range(runs_this_turn):
                     started = time.perf_counter()
                     run(feeds)
@@ -157,7 +157,7 @@ def quartile_spread(values: list[float]) -> float:
     return (third - first) / statistics.median(values)
 
 
-def _run_for(run: Callable, feeds: dict[str, np.ndarray], seconds: float) -> None:
+def run_for(run: Callable, feeds: dict[str, np.ndarray], seconds: float) -> None:
     """Run at least once, and again until `seconds` have passed."""
     deadline = time.perf_counter() + seconds
     run(feeds)
