@@ -13,9 +13,23 @@ one PrimFunc that calls the kernels in order, each tensor's descriptor built on 
 calls are `T.call_cpacked`, straight to the kernel's symbol in the same library (a packed call
 would look the name up among the library's imports, where the kernels are not). The storages
 TVM and ShareSymbolicStorage planned for tensors that live only inside the sequence are laid
-out one after another in one arena, at offsets that are expressions of the symbolic dims; the
-VM allocates the arena once per run and calls the sequence once. A tensor the rest of the function sees (an output, a value after the sequence or
-in a branch) keeps its Relax allocation and is passed in.
+out one after another in one arena, at offsets that are expressions of the symbolic dims. The
+sequence takes its arena from TVM's workspace pool as it starts and gives it back as it ends
+(TVMBackendAllocWorkspace: a pool per thread, no lock, 64-byte aligned), and the VM calls it
+once. The arena is at least 1 KiB, the size from which TVM's lowering never makes it a stack
+array: LLVM inlines the kernels into the sequence and stores their 16-lane vectors into the
+arena with instructions that need 64-byte alignment, which the stack array TVM 0.27 made of a
+512-byte arena did not have (the function does not realign the stack), so a run crashed or
+not depending on where the stack sat. A tensor the rest of the function sees (an output, a
+value after the sequence or in a branch) keeps its Relax allocation and is passed in.
+
+The arena was first a VM allocation, passed in: a storage and a tensor object a run, 0.25 us
+in TVM 0.27's VM (a storage alone 0.11 us, a tensor alone 0.14 us; a kernel call 5 ns).
+Measured, the VM's call alone, both builds in one process in alternating turns, median of 30:
+nonzero_gather at 4x12 3.15 -> 2.68 us (one arena a run), nonzero_rows_tied at 3x4 4.49 ->
+3.81 us (two), the transformers within +-1%. Where an arena is large, its place in memory
+moves runs by more than that either way: mobilenet_v2_style at 1x3x64x64 +8.5% in one process,
+-12% with each build in its own process (three of each).
 
 The Relax function as it was stays in the module under `interpreted(name)` for the profiler,
 which times each kernel through the VM's instrument (vm_code.py).
@@ -33,11 +47,12 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax, tirx
 
+from tightfit.schedules.isa import MAX_STACK_ALLOCA_BYTES
 from tightfit.vm_code import interpreted
 
 from .classify_dynamism import op_key
 
-# A sequence of one kernel saves nothing: the VM would still allocate its arena and call it.
+# A sequence of one kernel saves nothing: the VM would call it instead of the kernel.
 MIN_KERNELS = 2
 # Every tensor in the arena starts on a cache line; kernels load vectors from the start of each.
 ARENA_ALIGNMENT = 64
@@ -207,12 +222,13 @@ class _Sequence:
     passed: dict[relax.Expr, tirx.Buffer] = field(default_factory=dict)
     # the dims of passed tensors whose Relax type has no shape: read from the tensor
     unnamed_dims: list[tirx.Var] = field(default_factory=list)
+    # allocated in the sequence's body, not passed in
     arena: tirx.Buffer | None = None
 
 
 def _lower_sequence(bindings, span, used_elsewhere, storages_used_only_here, lowering):
     """The bindings that replace `bindings[span]`: the allocations and views the rest of the
-    function sees, the arena, and one call of the sequence's PrimFunc. The bindings of storages
+    function sees, and one call of the sequence's PrimFunc. The bindings of storages
     that only the sequence's tensors use, before the sequence, are set to None."""
     members = [bindings[i] for i in span if bindings[i] is not None]
     escaping = set(used_elsewhere)
@@ -232,7 +248,9 @@ def _lower_sequence(bindings, span, used_elsewhere, storages_used_only_here, low
             if index < span[0]:
                 bindings[index] = None
     if internal:
-        sequence.arena = tirx.decl_buffer([sequence.arena_bytes], "uint8", "arena")
+        # never a stack array (see the module's docstring)
+        heap_bytes = tirx.max(sequence.arena_bytes, tirx.IntImm("int64", MAX_STACK_ALLOCA_BYTES))
+        sequence.arena = tirx.decl_buffer([tvm.sym.Analyzer().simplify(heap_bytes)], "uint8", "arena")
     kept, calls = [], []
     for binding in members:
         value = binding.value
@@ -276,7 +294,12 @@ def _argument(arg: relax.Expr, sequence: _Sequence):
     home, offset = sequence.placement[arg]
     if home in sequence.arena_slots:
         byte = sequence.arena_slots[home][0] + offset
-        data, elem_offset = tirx.address_of(tirx.BufferLoad(sequence.arena, [byte])), _zero()
+        # the arena's pointer plus the offset, not the address of arena[byte]: TVM's lowering
+        # shrinks an allocation to the elements read or written through it (from the first
+        # slot's first byte to the last slot's first byte here), where a pointer used as such
+        # keeps it whole
+        data = tirx.call_intrin("handle", "tirx.handle_add_byte_offset", sequence.arena.data, byte)
+        elem_offset = _zero()
     else:
         buffer = _passed(home, sequence)
         data, elem_offset = buffer.data, buffer.elem_offset
@@ -300,19 +323,19 @@ def _passed(tensor: relax.Expr, sequence: _Sequence) -> tirx.Buffer:
 
 
 def _launch(calls, sequence: _Sequence, lowering: _Lowering) -> list[relax.Binding]:
-    """The arena's allocation and the call of the sequence's PrimFunc."""
+    """The call of the sequence's PrimFunc, which allocates its arena itself."""
     statements = []
     for kernel, arguments in calls:
         # the symbol AttachGlobalSymbol will give the kernel, where it has none yet
         symbol = str((lowering.mod[kernel].attrs or {}).get("global_symbol", kernel.name_hint))
         statements.append(tirx.Evaluate(tirx.call_cpacked(symbol, *arguments)))
-    body = tirx.SeqStmt(statements)
-    arena = sequence.arena
-    buffers = list(sequence.passed.values()) + ([arena] if arena is not None else [])
+    allocated = [sequence.arena] if sequence.arena is not None else []
+    body = tirx.SeqStmt([tirx.AllocBuffer(buffer) for buffer in allocated] + statements)
+    buffers = list(sequence.passed.values())
     # every symbolic dim is passed as a scalar, ahead of the buffers whose shapes it gives
     # (the PrimFunc then checks each buffer's shape against them)
     dims = []
-    for expr in [body] + [extent for buffer in buffers for extent in buffer.ty.shape]:
+    for expr in [body] + [extent for buffer in buffers + allocated for extent in buffer.ty.shape]:
         dims += [var for var in tirx.analysis.undefined_vars(expr, buffers)
                  if var not in dims and var not in sequence.unnamed_dims]
     func = tirx.PrimFunc(dims + buffers, body).with_attrs({
@@ -320,14 +343,5 @@ def _launch(calls, sequence: _Sequence, lowering: _Lowering) -> list[relax.Bindi
         # (byte offset, bytes) of each storage in the arena, for checking and drawing the plan
         ARENA_SLOTS_ATTR: [[offset, size] for offset, size in sequence.arena_slots.values()]})
     sequence_var = lowering.builder.add_func(func, "kernel_sequence")
-    arguments = dims + list(sequence.passed.keys())
-    bindings = []
-    if arena is not None:
-        allocation = lowering.builder.normalize(relax.op.builtin.alloc_tensor(
-            relax.ShapeExpr([sequence.arena_bytes]), "uint8", 0))
-        arena_var = relax.Var("arena", allocation.ty)
-        bindings.append(relax.VarBinding(arena_var, allocation))
-        arguments.append(arena_var)
-    call = lowering.builder.normalize(relax.Call(sequence_var, arguments))
-    bindings.append(relax.VarBinding(relax.Var("_", call.ty), call))
-    return bindings
+    call = lowering.builder.normalize(relax.Call(sequence_var, dims + list(sequence.passed.keys())))
+    return [relax.VarBinding(relax.Var("_", call.ty), call)]

@@ -4,7 +4,8 @@ The arena checker is independent of the pass: it reads each sequence function th
 gives the symbolic dims values, and checks that every tensor the sequence places in its arena
 lies inside one storage's slot, that slots never overlap and that all lie inside the arena. That
 two tensors in one storage are never live at once is the storage plan's property, which
-test_share_symbolic_storage checks.
+test_share_symbolic_storage checks. A second check lowers each sequence with TVM's own TIR
+pipeline and reads how many bytes the arena gets there.
 """
 
 import numpy as np
@@ -15,12 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 from tvm import relax, tirx
+from tvm.s_tir.analysis import calculate_allocated_bytes
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.passes.launch_kernel_sequences import ARENA_SLOTS_ATTR, kernel_sequences
 from tightfit.pipeline import run_pipeline
+from tightfit.schedules.isa import MAX_STACK_ALLOCA_BYTES
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
 from tightfit.vm_code import interpreted
@@ -67,14 +70,24 @@ def _calls(seq: relax.SeqExpr) -> list[str]:
 
 
 def _kernels_called(sequence: tirx.PrimFunc) -> list[str]:
-    return [statement.value.args[0].value for statement in sequence.body.seq]
+    return [statement.value.args[0].value for statement in _calls_of(sequence)]
+
+
+def _calls_of(sequence: tirx.PrimFunc) -> list[tirx.Evaluate]:
+    return [statement for statement in sequence.body.seq if isinstance(statement, tirx.Evaluate)]
+
+
+def _arena(sequence: tirx.PrimFunc) -> tirx.Buffer | None:
+    """The arena the sequence allocates, if it has one."""
+    return next((statement.buffer for statement in sequence.body.seq
+                 if isinstance(statement, tirx.AllocBuffer)), None)
 
 
 def arena_violations(sequence: tirx.PrimFunc, dim_value) -> list[str]:
     """What is wrong with the arena of `sequence` when each of its scalar params d is
     dim_value(d)."""
     analyzer = _analyzer_with_dims(sequence, dim_value)
-    arena = next((param for param in sequence.params if param.name == "arena"), None)
+    arena = _arena(sequence)
     arena_bytes = int(analyzer.simplify(arena.ty.shape[0])) if arena is not None else 0
     slots = sorted((int(analyzer.simplify(offset)), int(analyzer.simplify(size)))
                    for offset, size in sequence.attrs[ARENA_SLOTS_ATTR])
@@ -84,15 +97,16 @@ def arena_violations(sequence: tirx.PrimFunc, dim_value) -> list[str]:
             problems.append(f"slot at {offset} of {size} bytes runs into the slot at {next_offset}")
     if slots and slots[-1][0] + slots[-1][1] > arena_bytes:
         problems.append(f"the last slot ends past the arena's {arena_bytes} bytes")
-    for statement in sequence.body.seq:
+    for statement in _calls_of(sequence):
         kernel = statement.value.args[0].value
         for argument in statement.value.args[1:]:
             if not (isinstance(argument, tvm.ir.Call) and argument.op.name == "tirx.tvm_stack_make_array"):
                 continue
             data, shape = argument.args[0], argument.args[1]
-            if not (isinstance(data, tvm.ir.Call) and data.op.name == "tirx.address_of"):
+            if not (isinstance(data, tvm.ir.Call) and data.op.name == "tirx.handle_add_byte_offset"
+                    and data.args[0].same_as(arena.data)):
                 continue  # a view of a tensor passed in
-            start = int(analyzer.simplify(data.args[0].indices[0]))
+            start = int(analyzer.simplify(data.args[1]))
             nbytes = int(np.prod([int(analyzer.simplify(dim)) for dim in shape.args]))
             nbytes *= tvm.runtime.DataType(str(argument.args[4].ty)).bits // 8
             if not any(offset <= start and start + nbytes <= offset + size for offset, size in slots):
@@ -111,14 +125,31 @@ def test_a_chain_of_kernels_runs_from_one_function_with_what_the_caller_sees_pas
     assert _calls(mod["main"].body) == [name]
     assert _calls(mod[interpreted("main")].body) == kernels
     assert len(kernels) >= 3
-    # both outputs are the caller's tensors: allocated by the VM and passed in, not in the arena
-    buffers = [param for param in sequence.params
-               if not isinstance(param.ty, tvm.ir.PrimType) and param.name != "arena"]
+    # both outputs are the caller's tensors: allocated by the VM and passed in, not in the arena,
+    # which the sequence allocates itself
+    assert _arena(sequence) is not None
+    buffers = [param for param in sequence.params if not isinstance(param.ty, tvm.ir.PrimType)]
     passed_shapes = [[dim.name if isinstance(dim, tirx.Var) else int(dim) for dim in param.ty.shape]
                      for param in buffers]
     assert ["n", 32] in passed_shapes and ["n", 16] in passed_shapes
     assert len(sequence.attrs[ARENA_SLOTS_ATTR]) >= 1
     assert arena_violations(sequence, lambda dim: 7) == []
+
+
+def test_a_small_arena_of_fixed_size_is_never_a_stack_array():
+    """At 3 rows the MLP's arena needs 512 bytes. TVM would make that a stack array, which was
+    not 64-byte aligned, while the kernels LLVM inlines into the sequence store whole 64-byte
+    vectors into it: a run crashed or not depending on where the stack sat."""
+    model = _mlp_with_a_hidden_output()
+    mod, _ = run_pipeline(import_onnx(model, input_shapes={"x": [3, 16]}).mod,
+                          resolve_target("host"), stop_after=LOWERED)
+    (sequence,) = kernel_sequences(mod).values()
+    assert int(_arena(sequence).ty.shape[0]) >= MAX_STACK_ALLOCA_BYTES
+    assert arena_violations(sequence, lambda dim: 3) == []
+    session = tightfit.compile(model, input_shapes={"x": [3, 16]}).session()
+    feeds = {"x": np.random.default_rng(3).standard_normal((3, 16)).astype("float32")}
+    for name, want in run_onnxruntime(model, feeds).items():
+        np.testing.assert_allclose(session.run(feeds)[name], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +185,26 @@ def test_every_arena_tensor_lies_in_its_own_slot_of_the_arena(transformer_sequen
     dims = {"batch": batch, "sequence": sequence_length}
     for name, sequence in transformer_sequences.items():
         assert arena_violations(sequence, lambda dim: dims[dim.name]) == [], name
+
+
+@pytest.mark.parametrize("batch, sequence_length", [(1, 5), (3, 200)])
+def test_tvm_lowers_each_arena_to_an_allocation_that_holds_every_slot(transformer_sequences, batch,
+                                                                      sequence_length):
+    """TVM's TIR lowering shrinks an allocation to the part its accesses reach; a sequence that
+    took its tensors' addresses as &arena[offset] got an arena from the first slot's first byte
+    to the last slot's first byte, and its last kernels wrote past it (glibc aborted the run)."""
+    dims = {"batch": batch, "sequence": sequence_length}
+    pipeline, _, _ = tvm.tirx.get_tir_pipeline("default")
+    host = resolve_target("host").tvm_target
+    for name, sequence in transformer_sequences.items():
+        fixed = sequence.specialize({param: tirx.IntImm("int64", dims[param.name])
+                                     for param in sequence.params if isinstance(param.ty, tvm.ir.PrimType)})
+        module = tvm.tirx.transform.BindTarget(host.with_host(host))(
+            tvm.IRModule({name: fixed.with_attr("global_symbol", name)}))
+        with tvm.transform.PassContext(opt_level=3):
+            allocated = calculate_allocated_bytes(pipeline(module)[name])["main"]["global"]
+        starts, sizes = _slots_at(sequence, lambda dim: dims[dim.name])
+        assert allocated >= max(start + size for start, size in zip(starts, sizes)), name
 
 
 @pytest.mark.parametrize("batch, sequence_length", [(1, 1024), (4, 256), (16, 64)])
