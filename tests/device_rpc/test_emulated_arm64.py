@@ -175,6 +175,38 @@ def test_channel_vector_pointwise_conv_compiled_for_arm64_runs_on_the_emulated_d
         assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
+@pytest.mark.parametrize("channels, out_channels, kernel, stride, algorithm", [
+    (128, 128, 1, 1, "width_vectors"),  # pointwise: 64 KiB of weights, prefetched per panel row
+    (64, 32, 3, 2, "direct"),  # direct: 72 KiB, prefetched along the reduction
+], ids=["pointwise", "direct"])
+def test_weight_prefetching_convs_compiled_for_arm64_run_on_the_emulated_device(
+        tracker, arm64_device, channels, out_channels, kernel, stride, algorithm):
+    """Convs whose packed weights reach PREFETCH_MIN_WEIGHT_BYTES ask for their weight rows
+    ahead (schedules/prefetch.py); with NEON's 4-lane panels the prefetched addresses run past
+    the last panel at the end of a reduction, which the device must not fault on. Widths under,
+    at and past a tile."""
+    from tightfit.schedules.prefetch import PREFETCH_MIN_WEIGHT_BYTES
+
+    rng = np.random.default_rng(8)
+    weight = (rng.standard_normal((out_channels, channels, kernel, kernel)) * 0.1).astype(np.float32)
+    assert weight.nbytes >= PREFETCH_MIN_WEIGHT_BYTES
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[kernel, kernel],
+                          pads=[kernel // 2] * 4, strides=[stride, stride]),
+         helper.make_node("Relu", ["c"], ["y"])], "prefetching_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_channels, None, None])],
+        [numpy_helper.from_array(weight, "w"),
+         numpy_helper.from_array(rng.standard_normal(out_channels).astype(np.float32), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = tightfit.PipelineOptions(conv_algorithms=(algorithm,))
+    session = tightfit.compile(model, "emulated-arm64", options=options).remote_session(
+        str(tracker), arm64_device)
+    for height, width in ((1, 3), (4, 6), (5, 13)):
+        feeds = {"x": rng.standard_normal((1, channels, height, width)).astype(np.float32)}
+        assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
+
+
 def test_pool_and_row_kernels_compiled_for_arm64_run_on_the_emulated_device(tracker,
                                                                             arm64_device):
     """A ResNet stem's max pool (3x3, stride 2, pad 1: two 4-lane loads deinterleaved per tap
