@@ -137,17 +137,19 @@ def test_a_chain_of_kernels_runs_from_one_function_with_what_the_caller_sees_pas
 
 
 def test_a_small_arena_of_fixed_size_is_never_a_stack_array():
-    """At 3 rows the MLP's arena needs 512 bytes. TVM would make that a stack array, which was
-    not 64-byte aligned, while the kernels LLVM inlines into the sequence store whole 64-byte
-    vectors into it: a run crashed or not depending on where the stack sat."""
+    """At 1 row the MLP's slots end under 1 KiB. TVM would make an arena that small a stack
+    array, which was not 64-byte aligned, while the kernels LLVM inlines into the sequence store
+    whole 64-byte vectors into it: a run crashed or not depending on where the stack sat."""
     model = _mlp_with_a_hidden_output()
-    mod, _ = run_pipeline(import_onnx(model, input_shapes={"x": [3, 16]}).mod,
+    mod, _ = run_pipeline(import_onnx(model, input_shapes={"x": [1, 16]}).mod,
                           resolve_target("host"), stop_after=LOWERED)
     (sequence,) = kernel_sequences(mod).values()
+    starts, sizes = _slots_at(sequence, lambda dim: 1)
+    assert max(start + size for start, size in zip(starts, sizes)) < MAX_STACK_ALLOCA_BYTES
     assert int(_arena(sequence).ty.shape[0]) >= MAX_STACK_ALLOCA_BYTES
-    assert arena_violations(sequence, lambda dim: 3) == []
-    session = tightfit.compile(model, input_shapes={"x": [3, 16]}).session()
-    feeds = {"x": np.random.default_rng(3).standard_normal((3, 16)).astype("float32")}
+    assert arena_violations(sequence, lambda dim: 1) == []
+    session = tightfit.compile(model, input_shapes={"x": [1, 16]}).session()
+    feeds = {"x": np.random.default_rng(3).standard_normal((1, 16)).astype("float32")}
     for name, want in run_onnxruntime(model, feeds).items():
         np.testing.assert_allclose(session.run(feeds)[name], want, rtol=1e-5, atol=1e-5)
 
