@@ -19,6 +19,7 @@ from .share_symbolic_storage import ShareSymbolicStorage
 from .sink_into_branches import SinkIntoBranches
 from .split_blocks_where_dims_are_bound import SplitBlocksWhereDimsAreBound
 from .use_fast_math import UseFastMath
+from .write_scalars_to_shape_heap import WriteScalarsToShapeHeap
 
 __all__ = [
     "BroadcastAtRunTime",
@@ -40,5 +41,6 @@ __all__ = [
     "SinkIntoBranches",
     "SplitBlocksWhereDimsAreBound",
     "UseFastMath",
+    "WriteScalarsToShapeHeap",
     "legalize_views",
 ]

@@ -85,7 +85,7 @@ class LaunchKernelSequences:
         for global_var, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function) or "global_symbol" not in (func.attrs or {}):
                 continue
-            copy = _with_own_vars(func, mod)
+            copy = with_own_vars(func, mod)
             if copy is None:
                 continue
             lowered = _rewrite_seq(func.body, _Lowering(builder, mod))
@@ -104,7 +104,7 @@ def kernel_sequences(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
             if isinstance(func, tirx.PrimFunc) and ARENA_SLOTS_ATTR in (func.attrs or {})}
 
 
-def _with_own_vars(func: relax.Function, mod: tvm.IRModule) -> relax.Function | None:
+def with_own_vars(func: relax.Function, mod: tvm.IRModule) -> relax.Function | None:
     """A copy of `func` with vars of its own (a var may be defined in one function only), or
     None where TVM cannot copy it. relax.utils.copy_with_new_vars re-infers the type of every
     call it rebuilds, which TVM 0.27 cannot for an if_then_else inside a symbolic shape; a

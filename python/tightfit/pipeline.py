@@ -38,6 +38,7 @@ from .passes import (
     SinkIntoBranches,
     SplitBlocksWhereDimsAreBound,
     UseFastMath,
+    WriteScalarsToShapeHeap,
     legalize_views,
 )
 from .schedules import FallbackCPUSchedule, ScheduleKernels, legalize_float_extrema, legalize_max_pool
@@ -135,6 +136,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.LowerRuntimeBuiltin(),
         relax.transform.ComputePrimValue(),
         relax.transform.VMShapeLower(),
+        WriteScalarsToShapeHeap(),
         ReuseShapeValues(),
         relax.transform.AttachGlobalSymbol(),
     ]
