@@ -136,6 +136,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.LowerRuntimeBuiltin(),
         relax.transform.ComputePrimValue(),
         relax.transform.VMShapeLower(),
+        # an If's condition and a data-dependent dim go from their kernel straight into the
+        # VM's shape heap, with no tensor allocated for one number
         WriteScalarsToShapeHeap(),
         ReuseShapeValues(),
         relax.transform.AttachGlobalSymbol(),
