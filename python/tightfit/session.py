@@ -69,6 +69,9 @@ class Session:
                                       np.ndarray | None]] = {}
         # the names, dtypes and shapes of the last feeds that passed check_feeds
         self._checked_feeds: tuple | None = None
+        # the inputs placed for the last run on the host, each (name, array, its shape, strides
+        # and dtype, staging buffer or None), and the VM arguments they made
+        self._last_run: tuple[list[tuple], list[tvm.runtime.Tensor]] | None = None
         self._tuple_of_outputs = False  # see _output_tensors
 
     @property
@@ -81,8 +84,11 @@ class Session:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the model; returns the outputs by ONNX output name, in the graph's order."""
+        arguments = self._arguments_of_last_run(feeds)
+        if arguments is None:
+            arguments = [*self.prepare_inputs(feeds), *self.weights]
         try:
-            result = self._main(*self.prepare_inputs(feeds), *self.weights)
+            result = self._main(*arguments)
         except RuntimeError as err:
             inner = _inner_shape_error(err, feeds)
             if inner is None:
@@ -93,6 +99,26 @@ class Session:
             return {name: hand_back(result)}
         return {name: hand_back(value)
                 for (name, hand_back), value in zip(self._hand_back, self._output_tensors(result))}
+
+    def _arguments_of_last_run(self, feeds: dict[str, np.ndarray]) -> list | None:
+        """The VM arguments (inputs, then weights) of the last run on the host, if `feeds` are
+        its very arrays with their shapes, strides and dtypes unchanged (all settable in place):
+        they were checked together then, and a staged one is copied into its buffer again.
+        Else None. One pass over the inputs instead of placing each again took a 2.4 us run
+        to 2.1 us (gated_skip_block), 4.1 to 3.6 us with two inputs (nonzero_gather)."""
+        if self._last_run is None:
+            return None
+        placements, arguments = self._last_run
+        if len(feeds) != len(placements):
+            return None
+        for name, array, shape, strides, dtype, staging in placements:
+            fed = feeds.get(name)
+            if fed is not array or fed.shape != shape or fed.strides != strides or fed.dtype != dtype:
+                return None
+        for _, array, _, _, _, staging in placements:
+            if staging is not None:
+                staging[...] = array  # 0.14 us for a small array, np.copyto 0.26
+        return arguments
 
     def _output_tensors(self, result) -> list[tvm.runtime.Tensor]:
         """The tensors of a result that is not one tensor. The result's structure is the compiled
@@ -110,25 +136,27 @@ class Session:
         """Check `feeds` against the model's inputs and place them on the device. Feeds with
         the names, dtypes and shapes of the last checked ones pass without the full check
         (1.7 us of a 10 us model's run), and the very arrays of the last run without any."""
-        if self._on_host and len(feeds) == len(self._input_names):
-            # the arrays of the last run, their shapes, strides and dtypes unchanged: they
-            # were checked together then (every placement is made after the check, all at once)
-            again = []
-            for name in self._input_names:
-                tensor = self._placed_again(name, feeds.get(name))
-                if tensor is None:
-                    break
-                again.append(tensor)
-            else:
-                return again
+        again = self._arguments_of_last_run(feeds)
+        if again is not None:
+            return again[:len(self._input_names)]
         signature = _feed_signature(feeds)
         if signature is None or signature != self._checked_feeds:
             check_feeds(self.package.inputs, feeds)
             self._checked_feeds = signature
-        if self._on_host:
-            return [self._host_input(name, feeds[name]) for name in self._input_names]
-        return [tvm.runtime.tensor(np.asarray(feeds[name], order="C"), self.device)
-                for name in self._input_names]
+        if not self._on_host:
+            return [tvm.runtime.tensor(np.asarray(feeds[name], order="C"), self.device)
+                    for name in self._input_names]
+        tensors = [self._host_input(name, feeds[name]) for name in self._input_names]
+        placed = [self._placed.get(name) for name in self._input_names]
+        # every input placed now (not an empty one, or one of a type TVM converts itself)
+        if all(place is not None and place[0] is feeds[name]
+               for name, place in zip(self._input_names, placed)):
+            self._last_run = ([(name, array, shape, strides, dtype, staging)
+                               for name, (array, shape, strides, dtype, _, staging)
+                               in zip(self._input_names, placed)], [*tensors, *self.weights])
+        else:
+            self._last_run = None
+        return tensors
 
     def _host_input(self, name: str, array: np.ndarray) -> tvm.runtime.Tensor:
         """A view of `array` when TVM can take one, else a copy into this session's aligned
