@@ -1,4 +1,4 @@
-"""Call each sequence of kernels from one TIR function, its intermediate tensors in one arena.
+"""Call each sequence of kernels from one TIR function, its intermediate tensors in arenas.
 
 MNN §3.2, resource pre-allocation: the work of managing memory is done apart from the work of
 computing, and a run executes only the computing. DESIGN §11: tensors get their planned offsets
@@ -31,13 +31,24 @@ nonzero_gather at 4x12 3.15 -> 2.68 us (one arena a run), nonzero_rows_tied at 3
 moves runs by more than that either way: mobilenet_v2_style at 1x3x64x64 +8.5% in one process,
 -12% with each build in its own process (three of each).
 
+A count read back into a new dim (NonZero's: a kernel counts, the count becomes the dim of
+the tensors after it; SoD2's execution-determined dims) does not end a sequence: the sequence
+binds the dim to the count where the kernel has written it, and the storages sized by the dim
+go into a second arena, taken from the pool right there. The VM still reads the count back
+after the call, for what it does with the dim later (WriteScalarsToShapeHeap then stores it
+straight into the shape heap). Where a tensor the VM allocates before the call needs the dim
+(an output of `count` rows), the read-back stays in the VM between two sequences. Measured,
+the VM call alone, one process, median of 30: nonzero_gather at 4x12 2.42 -> 1.83 us (one
+sequence instead of two, and no VM allocation for the mask they shared).
+
 The Relax function as it was stays in the module under `interpreted(name)` for the profiler,
 which times each kernel through the VM's instrument (vm_code.py).
 
-Limits: a sequence ends at anything that is not a kernel call, an allocation or a view (an
-`If`, a packed library call, a shape read back from a tensor), and is lowered only when it calls
-at least MIN_KERNELS kernels. The arena holds each storage for the whole sequence, so it is the
-sum of the sequence's storages; sharing between them is ShareSymbolicStorage's, before this.
+Limits: a sequence ends at anything that is not a kernel call, an allocation, a view or a count
+read back into a new dim (an `If`, a packed library call, a dim compared with one known), and
+is lowered only when it calls at least MIN_KERNELS kernels. An arena holds each storage for the
+whole sequence, so it is the sum of its storages; sharing between them is
+ShareSymbolicStorage's, before this.
 """
 
 from __future__ import annotations
@@ -68,6 +79,10 @@ ARENA_ALIGNMENT = 64
 # as much (65.8 us against 62.9 us for 5, in one run).
 SLOT_STAGGER = 5 * ARENA_ALIGNMENT
 
+# DLPack's codes for the CPU and for unsigned integers, as TVMBackendAllocWorkspace takes them
+_CPU = tirx.IntImm("int32", 1)
+_UINT_CODE = tirx.IntImm("int32", 1)
+
 # The sequence PrimFunc's attribute listing each storage's place in its arena.
 ARENA_SLOTS_ATTR = "tightfit.arena_slots"
 
@@ -88,7 +103,7 @@ class LaunchKernelSequences:
             copy = with_own_vars(func, mod)
             if copy is None:
                 continue
-            lowered = _rewrite_seq(func.body, _Lowering(builder, mod))
+            lowered = _rewrite_seq(func.body, _Lowering(builder, mod, _dims_defined_once(func)))
             if lowered.same_as(func.body):
                 continue
             builder.update_func(global_var, builder.normalize(relax.Function(
@@ -102,6 +117,12 @@ def kernel_sequences(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
     """The sequence functions this pass made in `mod`, by name."""
     return {global_var.name_hint: func for global_var, func in mod.functions.items()
             if isinstance(func, tirx.PrimFunc) and ARENA_SLOTS_ATTR in (func.attrs or {})}
+
+
+def kernel_calls(sequence: tirx.PrimFunc) -> int:
+    """How many kernel calls a sequence function makes."""
+    return sum(isinstance(statement, tirx.Evaluate) and isinstance(statement.value, tvm.ir.Call)
+               and statement.value.op.name == "tirx.tvm_call_cpacked" for statement in sequence.body.seq)
 
 
 def with_own_vars(func: relax.Function, mod: tvm.IRModule) -> relax.Function | None:
@@ -135,11 +156,48 @@ class _ModuleGlobalVars(relax.PyExprMutator):
 class _Lowering:
     builder: relax.BlockBuilder
     mod: tvm.IRModule
+    # the symbolic dims a match_cast of a shape defines: in one match_cast, not a parameter's
+    dims_defined_in_body: set
+
+    def is_read_back(self, bindings: list, index: int) -> bool:
+        """Is `bindings[index]` a count read back into a new dim (a one-element int64 tensor to
+        a shape, then that shape cast to one new symbolic dim), or the cast of one?"""
+        first = index if op_key(bindings[index].value) == "relax.tensor_to_shape" else index - 1
+        if first < 0 or first + 1 >= len(bindings) or bindings[first] is None or bindings[first + 1] is None:
+            return False
+        to_shape, cast = bindings[first], bindings[first + 1]
+        if op_key(to_shape.value) != "relax.tensor_to_shape" or not isinstance(cast, relax.MatchCast):
+            return False
+        tensor, ty = to_shape.value.args[0], cast.ty
+        return (_is_tensor(tensor) and str(tensor.ty.dtype) == "int64" and tensor.ty.shape is not None
+                and [int(dim) for dim in tensor.ty.shape.values] == [1] and cast.value.same_as(to_shape.var)
+                and isinstance(ty, relax.ShapeType) and ty.values is not None and len(ty.values) == 1
+                and isinstance(ty.values[0], tirx.Var) and ty.values[0] in self.dims_defined_in_body)
 
     def is_kernel(self, value: relax.Expr) -> bool:
         return (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar)
                 and isinstance(self.mod[value.op], tirx.PrimFunc)
                 and all(_is_tensor(arg) or isinstance(arg.ty, tvm.ir.PrimType) for arg in value.args))
+
+
+def _dims_defined_once(func: relax.Function) -> set:
+    """The symbolic dims of `func` that one match_cast defines and no parameter has."""
+    in_params = {var for param in func.params
+                 for var in relax.analysis.definable_tir_vars_in_type(param.ty)}
+    counts: dict = {}
+
+    def visit(seq: relax.SeqExpr):
+        for block in seq.blocks:
+            for binding in block.bindings:
+                if isinstance(binding, relax.MatchCast):
+                    for var in relax.analysis.definable_tir_vars_in_type(binding.ty):
+                        counts[var] = counts.get(var, 0) + 1
+                if isinstance(binding.value, relax.If):
+                    visit(binding.value.true_branch)
+                    visit(binding.value.false_branch)
+
+    visit(func.body)
+    return {var for var, count in counts.items() if count == 1 and var not in in_params}
 
 
 def _is_tensor(expr: relax.Expr) -> bool:
@@ -162,13 +220,17 @@ def _rewrite_seq(seq: relax.SeqExpr, lowering: _Lowering) -> relax.SeqExpr:
         changed |= any(not new.same_as(old) for new, old in zip(bindings, block.bindings))
         storages = {binding.var for binding in bindings
                     if op_key(binding.value) == "relax.memory.alloc_storage"}
-        # later sequences first, so that the positions of earlier ones stay as they were
-        for span in reversed(_kernel_spans(bindings, lowering)):
+        def used_elsewhere(span: list[int]) -> set[relax.Var]:
             members = {(block_index, index) for index in span}
-            used_elsewhere = body_uses.union(
-                *(used for where, used in uses.items() if where not in members))
+            return body_uses.union(*(used for where, used in uses.items() if where not in members))
+
+        spans = [part for span in _kernel_spans(bindings, lowering)
+                 for part in _parts(bindings, span, used_elsewhere, storages, lowering)]
+        # later sequences first, so that the positions of earlier ones stay as they were
+        for span in reversed(spans):
+            elsewhere = used_elsewhere(span)
             bindings[span[0]:span[-1] + 1] = _lower_sequence(
-                bindings, span, used_elsewhere, storages - used_elsewhere, lowering)
+                bindings, span, elsewhere, storages - elsewhere, lowering)
             changed = True
         blocks.append(relax.BindingBlock([binding for binding in bindings if binding is not None]))
     return lowering.builder.normalize(relax.SeqExpr(blocks, seq.body)) if changed else seq
@@ -195,67 +257,153 @@ def _is_view(binding: relax.Binding) -> bool:
 
 
 def _kernel_spans(bindings: list[relax.Binding], lowering: _Lowering) -> list[list[int]]:
-    """The positions of each sequence to lower: maximal runs of kernel calls, allocations and
-    views with at least MIN_KERNELS calls."""
+    """The positions of each sequence to lower: maximal runs of kernel calls, allocations,
+    views and counts read back into new dims with at least MIN_KERNELS calls."""
     spans, current = [], []
     for index, binding in enumerate(bindings + [None]):
-        if binding is not None and isinstance(binding, relax.VarBinding) and (
-                lowering.is_kernel(binding.value) or op_key(binding.value) in _ALLOCATIONS
-                or _is_view(binding)):
+        if binding is not None and (lowering.is_read_back(bindings, index) or (
+                isinstance(binding, relax.VarBinding) and (
+                    lowering.is_kernel(binding.value) or op_key(binding.value) in _ALLOCATIONS
+                    or _is_view(binding)))):
             current.append(index)
             continue
-        if sum(lowering.is_kernel(bindings[i].value) for i in current) >= MIN_KERNELS:
+        if _kernels_in(bindings, current, lowering) >= MIN_KERNELS:
             spans.append(current)
         current = []
     return spans
 
 
+def _kernels_in(bindings: list, span: list[int], lowering: _Lowering) -> int:
+    return sum(lowering.is_kernel(bindings[i].value) for i in span)
+
+
+def _parts(bindings, span, used_elsewhere, storages, lowering) -> list[list[int]]:
+    """`span` cut at each count read back whose dim an allocation or view the VM keeps after it
+    needs (the VM makes those before it calls the sequence, when the dim is not known yet);
+    the read-back stays in the VM there. Parts of fewer than MIN_KERNELS calls are dropped."""
+    elsewhere = used_elsewhere(span)
+    escaping, internal = _placement(bindings, span, elsewhere, storages - elsewhere)
+    for position, index in enumerate(span):
+        if op_key(bindings[index].value) != "relax.tensor_to_shape":
+            continue
+        dim = _read_back_dim(bindings, index)
+        needs_dim = [bindings[i] for i in span[position + 2:]
+                     if _kept(bindings[i], escaping, internal, lowering) and dim in _symbolic_vars_of(bindings[i])]
+        if needs_dim:
+            return [part for piece in (span[:position], span[position + 2:])
+                    if _kernels_in(bindings, piece, lowering) >= MIN_KERNELS
+                    for part in _parts(bindings, piece, used_elsewhere, storages, lowering)]
+    return [span]
+
+
+def _read_back_dim(bindings: list, to_shape_index: int) -> tirx.Var:
+    """The new dim that the match_cast after a read-back defines."""
+    return bindings[to_shape_index + 1].ty.values[0]
+
+
+def _symbolic_vars_of(binding: relax.Binding) -> set:
+    return set(relax.analysis.free_symbolic_vars(binding.value)) | set(
+        relax.analysis.tir_vars_in_type(binding.var.ty))
+
+
 @dataclass
 class _Sequence:
     """What the lowered function knows of each Relax value of the sequence."""
-    # each storage moved into the arena: (its byte offset there, its size)
-    arena_slots: dict[relax.Var, tuple[tirx.PrimExpr, tirx.PrimExpr]] = field(default_factory=dict)
-    arena_bytes: tirx.PrimExpr = tirx.IntImm("int64", 0)
+    # each storage moved into an arena: (the arena's index, its byte offset there, its size)
+    arena_slots: dict[relax.Var, tuple[int, tirx.PrimExpr, tirx.PrimExpr]] = field(default_factory=dict)
+    # the bytes of each arena: the first allocated as the sequence starts, each other right after
+    # the count it is sized by is read back
+    arena_bytes: list[tirx.PrimExpr] = field(default_factory=list)
     # internal tensors: (the storage var or external tensor it lies in, its byte offset there)
     placement: dict[relax.Var, tuple[relax.Expr, tirx.PrimExpr]] = field(default_factory=dict)
     # the tensors passed in, each with the buffer the PrimFunc declares for it
     passed: dict[relax.Expr, tirx.Buffer] = field(default_factory=dict)
     # the dims of passed tensors whose Relax type has no shape: read from the tensor
     unnamed_dims: list[tirx.Var] = field(default_factory=list)
-    # allocated in the sequence's body, not passed in
+    # the dims read back inside the sequence, in order
+    read_back_dims: list[tirx.Var] = field(default_factory=list)
+    # the first arena's buffer, allocated in the sequence's body, not passed in (None: no slots)
     arena: tirx.Buffer | None = None
+    # each later arena's pointer and bytes, taken from TVM's workspace pool once its count is
+    # known (None: no slots). Not a buffer: TVM's lowering moves a buffer's allocation up to
+    # the start of the function, before its size is known.
+    later_arenas: list[tuple[tirx.Var, tirx.PrimExpr] | None] = field(default_factory=list)
+
+    def arena_data(self, arena: int) -> tirx.PrimExpr:
+        return self.arena.data if arena == 0 else self.later_arenas[arena - 1][0]
+
+    def add_slot(self, storage: relax.Var, size: tirx.PrimExpr) -> None:
+        """A slot for `storage` in the first arena allocated once its size is known."""
+        used = set(tirx.analysis.undefined_vars(size, []))
+        arena = max([0] + [1 + k for k, dim in enumerate(self.read_back_dims) if dim in used])
+        start = self.arena_bytes[arena] + SLOT_STAGGER
+        self.arena_slots[storage] = (arena, start, size)
+        self.arena_bytes[arena] = _aligned(start + size)
 
 
-def _lower_sequence(bindings, span, used_elsewhere, storages_used_only_here, lowering):
-    """The bindings that replace `bindings[span]`: the allocations and views the rest of the
-    function sees, and one call of the sequence's PrimFunc. The bindings of storages
-    that only the sequence's tensors use, before the sequence, are set to None."""
+def _placement(bindings, span, used_elsewhere, storages_used_only_here) -> tuple[set, set]:
+    """The vars of `span` that the rest of the function sees (escaping), and the storages whose
+    tensors only the span uses (internal: they go into its arenas)."""
     members = [bindings[i] for i in span if bindings[i] is not None]
-    escaping = set(used_elsewhere)
+    # a count read back is read by the VM after the sequence, to know the dim too
+    escaping = set(used_elsewhere) | {binding.value.args[0] for binding in members
+                                      if op_key(binding.value) == "relax.tensor_to_shape"}
     for binding in reversed(members):  # a view of a tensor the rest sees is seen there too
         if binding.var in escaping and _is_view(binding):
             escaping.add(_viewed(binding))
     tensors = [binding for binding in members if op_key(binding.value) == "relax.memory.alloc_tensor"]
     homes = {binding.value.args[0] for binding in tensors}
     homes_seen_elsewhere = {binding.value.args[0] for binding in tensors if binding.var in escaping}
-    internal = (set(storages_used_only_here) & homes) - homes_seen_elsewhere
-    sequence = _Sequence()
+    return escaping, (set(storages_used_only_here) & homes) - homes_seen_elsewhere
+
+
+def _kept(binding: relax.Binding, escaping: set, internal: set, lowering: _Lowering) -> bool:
+    """Does the VM keep `binding` of a sequence, before the sequence's call?"""
+    value = binding.value
+    return not (lowering.is_kernel(value) or op_key(value) == "relax.tensor_to_shape"
+                or isinstance(binding, relax.MatchCast) or binding.var in internal
+                or (op_key(value) == "relax.memory.alloc_tensor" and value.args[0] in internal)
+                or (_is_view(binding) and binding.var not in escaping))
+
+
+def _lower_sequence(bindings, span, used_elsewhere, storages_used_only_here, lowering):
+    """The bindings that replace `bindings[span]`: the allocations and views the rest of the
+    function sees, one call of the sequence's PrimFunc, and the counts read back by it. The
+    bindings of storages that only the sequence's tensors use, before the sequence, are set to
+    None."""
+    escaping, internal = _placement(bindings, span, used_elsewhere, storages_used_only_here)
+    sequence = _Sequence(read_back_dims=[_read_back_dim(bindings, i) for i in span
+                                         if op_key(bindings[i].value) == "relax.tensor_to_shape"])
+    sequence.arena_bytes = [tirx.IntImm("int64", 0)] * (1 + len(sequence.read_back_dims))
     for index, binding in enumerate(bindings):
         if binding is not None and binding.var in internal:
-            start = sequence.arena_bytes + SLOT_STAGGER
-            sequence.arena_slots[binding.var] = (start, binding.value.args[0].values[0])
-            sequence.arena_bytes = _aligned(start + binding.value.args[0].values[0])
+            sequence.add_slot(binding.var, binding.value.args[0].values[0])
             if index < span[0]:
                 bindings[index] = None
-    if internal:
+    for arena, arena_bytes in enumerate(sequence.arena_bytes):
+        if not any(slot[0] == arena for slot in sequence.arena_slots.values()):
+            sequence.later_arenas += [None] * (arena > 0)
+            continue
         # never a stack array (see the module's docstring)
-        heap_bytes = tirx.max(sequence.arena_bytes, tirx.IntImm("int64", MAX_STACK_ALLOCA_BYTES))
-        sequence.arena = tirx.decl_buffer([tvm.sym.Analyzer().simplify(heap_bytes)], "uint8", "arena")
-    kept, calls = [], []
-    for binding in members:
+        heap_bytes = tvm.sym.Analyzer().simplify(
+            tirx.max(arena_bytes, tirx.IntImm("int64", MAX_STACK_ALLOCA_BYTES)))
+        if arena == 0:
+            sequence.arena = tirx.decl_buffer([heap_bytes], "uint8", "arena")
+        else:
+            sequence.later_arenas.append((tirx.Var(f"arena{arena}", "handle"), heap_bytes))
+    kept, steps, read_after = [], [], []
+    for index in span:
+        binding = bindings[index]
+        if binding is None:
+            continue
         value = binding.value
         if lowering.is_kernel(value):
-            calls.append((value.op, [_argument(arg, sequence) for arg in value.args]))
+            steps.append((value.op, [_argument(arg, sequence) for arg in value.args]))
+        elif op_key(value) == "relax.tensor_to_shape":
+            steps.append((_read_back_dim(bindings, index), _passed(value.args[0], sequence)))
+            read_after.append(binding)
+        elif isinstance(binding, relax.MatchCast):
+            read_after.append(binding)
         elif op_key(value) == "relax.memory.alloc_tensor" and value.args[0] in internal:
             sequence.placement[binding.var] = (value.args[0], value.args[1])
         elif binding.var in internal:
@@ -265,7 +413,7 @@ def _lower_sequence(bindings, span, used_elsewhere, storages_used_only_here, low
             sequence.placement[binding.var] = sequence.placement.get(viewed, (viewed, _zero()))
         else:
             kept.append(binding)
-    return kept + _launch(calls, sequence, lowering)
+    return kept + _launch(steps, sequence, lowering) + read_after
 
 
 def _viewed(binding: relax.VarBinding) -> relax.Var:
@@ -293,12 +441,13 @@ def _argument(arg: relax.Expr, sequence: _Sequence):
         return _passed(arg, sequence)
     home, offset = sequence.placement[arg]
     if home in sequence.arena_slots:
-        byte = sequence.arena_slots[home][0] + offset
+        arena, start, _ = sequence.arena_slots[home]
+        byte = start + offset
         # the arena's pointer plus the offset, not the address of arena[byte]: TVM's lowering
         # shrinks an allocation to the elements read or written through it (from the first
         # slot's first byte to the last slot's first byte here), where a pointer used as such
         # keeps it whole
-        data = tirx.call_intrin("handle", "tirx.handle_add_byte_offset", sequence.arena.data, byte)
+        data = tirx.call_intrin("handle", "tirx.handle_add_byte_offset", sequence.arena_data(arena), byte)
         elem_offset = _zero()
     else:
         buffer = _passed(home, sequence)
@@ -322,26 +471,50 @@ def _passed(tensor: relax.Expr, sequence: _Sequence) -> tirx.Buffer:
     return sequence.passed[tensor]
 
 
-def _launch(calls, sequence: _Sequence, lowering: _Lowering) -> list[relax.Binding]:
-    """The call of the sequence's PrimFunc, which allocates its arena itself."""
-    statements = []
-    for kernel, arguments in calls:
+def _launch(steps, sequence: _Sequence, lowering: _Lowering) -> list[relax.Binding]:
+    """The call of the sequence's PrimFunc, which allocates its arenas itself. Each step is a
+    kernel's call, or a count read back: the new dim bound to the count, then the arena of the
+    storages sized by it taken from the workspace pool (and given back at the end)."""
+    statements = [tirx.AllocBuffer(sequence.arena)] if sequence.arena is not None else []
+    given_back = []
+    for step in steps:
+        if isinstance(step[0], tirx.Var):
+            dim, count = step
+            statements.append(tirx.Bind(dim, tirx.BufferLoad(count, [tirx.IntImm("int64", 0)])))
+            later = sequence.later_arenas[sequence.read_back_dims.index(dim)]
+            if later is not None:
+                pointer, nbytes = later
+                statements += [
+                    tirx.Bind(pointer, tirx.call_intrin(
+                        "handle", "tirx.TVMBackendAllocWorkspace", _CPU, tirx.IntImm("int32", 0),
+                        tirx.Cast("uint64", nbytes), _UINT_CODE, tirx.IntImm("int32", 8))),
+                    tirx.IfThenElse(tirx.call_intrin("bool", "tirx.isnullptr", pointer), tirx.Evaluate(
+                        tirx.call_intrin("int32", "tirx.tvm_throw_last_error")), None)]
+                given_back.insert(0, tirx.Evaluate(tirx.call_intrin(
+                    "int32", "tirx.TVMBackendFreeWorkspace", _CPU, tirx.IntImm("int32", 0), pointer)))
+            continue
+        kernel, arguments = step
         # the symbol AttachGlobalSymbol will give the kernel, where it has none yet
         symbol = str((lowering.mod[kernel].attrs or {}).get("global_symbol", kernel.name_hint))
         statements.append(tirx.Evaluate(tirx.call_cpacked(symbol, *arguments)))
-    allocated = [sequence.arena] if sequence.arena is not None else []
-    body = tirx.SeqStmt([tirx.AllocBuffer(buffer) for buffer in allocated] + statements)
+    statements += given_back
+    body = tirx.SeqStmt(statements)
     buffers = list(sequence.passed.values())
     # every symbolic dim is passed as a scalar, ahead of the buffers whose shapes it gives
-    # (the PrimFunc then checks each buffer's shape against them)
+    # (the PrimFunc then checks each buffer's shape against them); not those read back inside
     dims = []
-    for expr in [body] + [extent for buffer in buffers + allocated for extent in buffer.ty.shape]:
+    extents = [extent for buffer in buffers + [sequence.arena] * (sequence.arena is not None)
+               for extent in buffer.ty.shape]
+    for expr in [body] + extents:
         dims += [var for var in tirx.analysis.undefined_vars(expr, buffers)
-                 if var not in dims and var not in sequence.unnamed_dims]
+                 if var not in dims and var not in sequence.unnamed_dims
+                 and var not in sequence.read_back_dims]
+    slots_by_arena = [[[offset, size] for index, offset, size in sequence.arena_slots.values()
+                       if index == arena] for arena in range(len(sequence.arena_bytes))]
     func = tirx.PrimFunc(dims + buffers, body).with_attrs({
         "tirx.is_scheduled": True,
-        # (byte offset, bytes) of each storage in the arena, for checking and drawing the plan
-        ARENA_SLOTS_ATTR: [[offset, size] for offset, size in sequence.arena_slots.values()]})
+        # (byte offset, bytes) of each storage in each arena, for checking and drawing the plan
+        ARENA_SLOTS_ATTR: slots_by_arena})
     sequence_var = lowering.builder.add_func(func, "kernel_sequence")
     call = lowering.builder.normalize(relax.Call(sequence_var, dims + list(sequence.passed.keys())))
     return [relax.VarBinding(relax.Var("_", call.ty), call)]

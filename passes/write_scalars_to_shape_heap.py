@@ -134,7 +134,7 @@ class _Rewriting:
                     return None
             elif (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar)
                   and isinstance(self.mod[value.op], tirx.PrimFunc) and scalar.writer is None
-                  and sum(arg.same_as(binding.var) for arg in value.args) == 1
+                  and any(arg.same_as(binding.var) for arg in value.args)
                   and all(_describable(arg) for arg in value.args)):
                 scalar.writer = use
             else:

@@ -15,7 +15,7 @@ from tvm import tirx
 from .errors import CompilationError, CorruptPackageError, PackageError, StalePackageError
 from .frontend import import_onnx
 from .package import Package, SourceModel, load_package, read_manifest
-from .passes.launch_kernel_sequences import kernel_sequences
+from .passes.launch_kernel_sequences import kernel_calls, kernel_sequences
 from .passes.share_symbolic_storage import STORAGE_BYTES_ATTR
 from .pipeline import PipelineOptions, build_config, fresh_outputs, run_pipeline, split_weights
 from .target import resolve_target
@@ -59,7 +59,7 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
         "passes": pass_times,
         "kernels": sum(isinstance(f, tirx.PrimFunc) for f in lowered.functions.values()) - len(sequences),
         # the kernel calls of each sequence that runs from one TIR function
-        "kernel_sequences": [len(sequence.body.seq) for sequence in sequences.values()],
+        "kernel_sequences": [kernel_calls(sequence) for sequence in sequences.values()],
         "weights": len(weights),
         "weight_bytes": int(sum(w.value.nbytes for w in weights)),
         # the intermediate tensors' storages, each sized by an expression of the input dims

@@ -105,7 +105,8 @@ def _if_on_a_count_model():
     nodes = [
         helper.make_node("NonZero", ["x"], ["positions"]),
         count,
-        helper.make_node("Constant", [], ["two"], value=helper.make_tensor("two", TensorProto.INT64, [], [2])),
+        helper.make_node("Constant", [], ["two"],
+                         value=helper.make_tensor("two", TensorProto.INT64, [], [2])),
         helper.make_node("Greater", ["count", "two"], ["many"]),
         helper.make_node("If", ["many"], ["picked"],
                          then_branch=helper.make_graph(
