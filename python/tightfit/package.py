@@ -33,7 +33,9 @@ from .errors import CorruptPackageError, PackageError, StalePackageError
 from .frontend import TensorSpec
 from .weight_file import WeightFile, WeightTensor, write_weight_file
 
-FORMAT_VERSION = 3
+# 4: kernels take tensors at any element-aligned address (kernel_lowering.py), and sessions
+# pass them so; a format-3 library's kernels assume 64-byte alignment and would crash
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 LIBRARY = "model.so"
 WEIGHTS = "weights.tfw"

@@ -10,8 +10,9 @@ but not the graph (a size its strides do not divide evenly) fail a shape check i
 while it runs, which is an InputError too, naming the inputs and the two dims that disagree.
 
 On the host, arrays cross into and out of the VM without copies where that is safe: an input
-that TVM can view (64-byte aligned, contiguous, writable) is passed as a view, any other is
-copied into an aligned buffer the session keeps for that input; an output the compiled code
+that TVM can view (contiguous and writable, at any address: the kernels assume no more than
+element alignment, kernel_lowering.py) is passed as a view, any other is copied into a buffer
+the session keeps for that input; an output the compiled code
 allocates anew on every run (`Package.fresh_outputs`) is handed back as a numpy view of that
 allocation, any other (an input, a weight or a constant returned as it is) is copied. TVM's
 own conversions cost ~11 us per input and ~5 us per output, more than some whole models take.
@@ -61,7 +62,7 @@ class Session:
         # this run alone, a copy of any other
         self._hand_back = [(name, np.from_dlpack if name in handed_out else tvm.runtime.Tensor.numpy)
                            for name in self._output_names]
-        # input name -> (aligned numpy buffer, TVM view of it), for inputs TVM cannot view
+        # input name -> (numpy buffer, TVM view of it), for inputs TVM cannot view
         self._staging: dict[str, tuple[np.ndarray, tvm.runtime.Tensor]] = {}
         # input name -> (the array last fed, its shape, strides and dtype then, the tensor the
         # VM got for it, the staging buffer it was copied into or None for a view of it)
@@ -159,14 +160,14 @@ class Session:
         return tensors
 
     def _host_input(self, name: str, array: np.ndarray) -> tvm.runtime.Tensor:
-        """A view of `array` when TVM can take one, else a copy into this session's aligned
-        buffer for that input, kept while the input's shape stays: a new buffer per run cost
+        """A view of `array` when TVM can take one, else a copy into this session's buffer
+        for that input, kept while the input's shape stays: a new buffer per run cost
         ~3 us of a run. (A Session, like TVM's VM, runs one call at a time.)
 
         The array fed last under a name is placed as it was last time while its shape,
         strides and dtype (all settable in place) are unchanged: through the same view, or
-        copied into the same buffer, without checking it again (reading an array's address
-        and alignment costs ~1.5 us, taking a view ~1 us; a 10 us model's run). A view reads
+        copied into the same buffer, without checking it again (reading an array's flags
+        and address cost ~1.5 us, taking a view ~1 us; a 10 us model's run). A view reads
         the array's memory, so values written into it since are what the run sees."""
         again = self._placed_again(name, array)
         if again is not None:
@@ -174,12 +175,12 @@ class Session:
         if array.size == 0 or array.dtype not in NUMPY_DLPACK_DTYPES:
             return tvm.runtime.tensor(np.asarray(array, order="C"), tvm.cpu())
         if _viewable(array):
-            tensor, buffer = tvm.runtime.from_dlpack(array), None
+            tensor, buffer = _view(array), None
         else:
             staged = self._staging.get(name)
             if staged is None or staged[0].shape != array.shape or staged[0].dtype != array.dtype:
-                staged_buffer = aligned_empty(array.shape, array.dtype)
-                staged = self._staging[name] = (staged_buffer, tvm.runtime.from_dlpack(staged_buffer))
+                staged_buffer = np.empty(array.shape, array.dtype)
+                staged = self._staging[name] = (staged_buffer, _view(staged_buffer))
             buffer, tensor = staged
             np.copyto(buffer, array)
         self._placed[name] = (array, array.shape, array.strides, array.dtype, tensor, buffer)
@@ -216,22 +217,18 @@ class Session:
 
 def device_tensor(array: np.ndarray, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
     """A TVM tensor for `array`: a view of the same memory when TVM can take it (host device,
-    64-byte aligned, writable, contiguous — mapped weights are), a copy otherwise."""
+    writable, contiguous — mapped weights are), a copy otherwise."""
     if _is_host(device) and _viewable(array):
-        return tvm.runtime.from_dlpack(array)
+        return _view(array)
     return tvm.runtime.tensor(np.asarray(array, order="C"), device)
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized array whose data TVM can view (TVM_ALIGNMENT-aligned)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buffer = np.empty(nbytes + TVM_ALIGNMENT, np.uint8)
-    start = -buffer.ctypes.data % TVM_ALIGNMENT
-    return buffer[start:start + nbytes].view(dtype).reshape(shape)
+def _view(array: np.ndarray) -> tvm.runtime.Tensor:
+    """A TVM tensor of `array`'s memory, at whatever address it is: tightfit's kernels assume
+    element alignment only (kernel_lowering.py), where `tvm.runtime.from_dlpack` insists on the
+    64 bytes TVM's own kernels assume."""
+    return tvm_ffi.from_dlpack(array, require_alignment=0, require_contiguous=True)
 
-
-TVM_ALIGNMENT = 64  # what TVM requires of memory it views
 # element types numpy exchanges over DLPack (not bfloat16 or the float8 types, which TVM's own
 # conversion handles through ml_dtypes)
 NUMPY_DLPACK_DTYPES = frozenset(np.dtype(name) for name in (
@@ -241,7 +238,7 @@ NUMPY_DLPACK_DTYPES = frozenset(np.dtype(name) for name in (
 
 def _viewable(array: np.ndarray) -> bool:
     return (array.flags.c_contiguous and array.flags.writeable and array.size > 0
-            and array.dtype in NUMPY_DLPACK_DTYPES and array.ctypes.data % TVM_ALIGNMENT == 0)
+            and array.dtype in NUMPY_DLPACK_DTYPES)
 
 
 def _numpy_exchanges(dtype_name: str) -> bool:

@@ -23,6 +23,8 @@ import tvm
 from tvm import relax
 from tvm.relax import vm_build
 
+from .kernel_lowering import KERNEL_LOWERING
+
 INTERPRETED_SUFFIX = "__interpreted"
 
 
@@ -33,14 +35,16 @@ def interpreted(function_name: str) -> str:
 
 def build_executable(mod: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
     """`relax.build(mod, target, relax_pipeline=None)` with every Relax function compiled to
-    native code, plus its bytecode copy under `interpreted(name)`. Build inside the caller's
-    PassContext (it carries the TIR lowering config)."""
+    native code, plus its bytecode copy under `interpreted(name)`, and the kernels lowered by
+    KERNEL_LOWERING. Build inside the caller's PassContext (it carries the TIR lowering
+    config)."""
     builder = relax.ExecBuilder()
     # VMCodeGen drops the Relax functions it emits and leaves the kernels to the native build
     vm_build._vmcodegen(builder, _bytecode_functions(mod), "bytecode")
     native = vm_build._vmcodegen(builder, _without_bytecode_functions(mod), "compiled")
     attrs = dict(mod.attrs) if mod.attrs else {}
     return vm_build._vmlink(builder=builder, target=target, tir_mod=vm_build._filter_tir(native),
+                            tir_pipeline=KERNEL_LOWERING,
                             ext_libs=attrs.get("external_mods", []),
                             params=dict(attrs.get("const_name_to_constant", {})))
 
