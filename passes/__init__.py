@@ -1,6 +1,7 @@
 """tightfit's Relax passes, one a file; the order they run in is python/tightfit/pipeline.py."""
 
 from .broadcast_at_run_time import BroadcastAtRunTime
+from .check_dims_on_shapes import CheckDimsOnShapes
 from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
 from .fold_constant_calls import FoldConstantCalls
@@ -23,6 +24,7 @@ from .write_scalars_to_shape_heap import WriteScalarsToShapeHeap
 
 __all__ = [
     "BroadcastAtRunTime",
+    "CheckDimsOnShapes",
     "ClassifyDynamism",
     "FoldBatchNorm",
     "FoldConstantCalls",

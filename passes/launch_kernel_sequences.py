@@ -20,7 +20,9 @@ once. The arena is at least 1 KiB, the size from which TVM's lowering never make
 array: LLVM inlines the kernels into the sequence and stores their 16-lane vectors into the
 arena with instructions that need 64-byte alignment, which the stack array TVM 0.27 made of a
 512-byte arena did not have (the function does not realign the stack), so a run crashed or
-not depending on where the stack sat. A tensor the rest of the function sees (an output, a
+not depending on where the stack sat. (Kernels now assume only element alignment of their
+arguments, kernel_lowering.py; the minimum stays so that every slot starts on a cache line,
+where a vector load never splits across two.) A tensor the rest of the function sees (an output, a
 value after the sequence or in a branch) keeps its Relax allocation and is passed in.
 
 The arena was first a VM allocation, passed in: a storage and a tensor object a run, 0.25 us
@@ -45,7 +47,8 @@ The Relax function as it was stays in the module under `interpreted(name)` for t
 which times each kernel through the VM's instrument (vm_code.py).
 
 Limits: a sequence ends at anything that is not a kernel call, an allocation, a view or a count
-read back into a new dim (an `If`, a packed library call, a dim compared with one known), and
+read back into a new dim (an `If`, a packed library call, a dim compared with one known, which
+CheckDimsOnShapes leaves only where the comparison defines a dim), and
 is lowered only when it calls at least MIN_KERNELS kernels. An arena holds each storage for the
 whole sequence, so it is the sum of its storages; sharing between them is
 ShareSymbolicStorage's, before this.
@@ -53,6 +56,7 @@ ShareSymbolicStorage's, before this.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import tvm
@@ -216,7 +220,8 @@ def _rewrite_seq(seq: relax.SeqExpr, lowering: _Lowering) -> relax.SeqExpr:
     body_uses = set(relax.analysis.free_vars(seq.body))
     blocks, changed = [], False
     for block_index, block in enumerate(seq.blocks):
-        bindings = [_with_branches_rewritten(binding, lowering) for binding in block.bindings]
+        bindings = [with_branches_rewritten(binding, lambda branch: _rewrite_seq(branch, lowering),
+                                            lowering.builder) for binding in block.bindings]
         changed |= any(not new.same_as(old) for new, old in zip(bindings, block.bindings))
         storages = {binding.var for binding in bindings
                     if op_key(binding.value) == "relax.memory.alloc_storage"}
@@ -236,16 +241,17 @@ def _rewrite_seq(seq: relax.SeqExpr, lowering: _Lowering) -> relax.SeqExpr:
     return lowering.builder.normalize(relax.SeqExpr(blocks, seq.body)) if changed else seq
 
 
-def _with_branches_rewritten(binding: relax.Binding, lowering: _Lowering) -> relax.Binding:
+def with_branches_rewritten(binding: relax.Binding, rewrite_seq: Callable[[relax.SeqExpr], relax.SeqExpr],
+                            builder: relax.BlockBuilder) -> relax.Binding:
+    """`binding` with each branch of its `If`, if it binds one, rewritten by `rewrite_seq`."""
     value = binding.value
     if not isinstance(binding, relax.VarBinding) or not isinstance(value, relax.If):
         return binding
-    true_branch = _rewrite_seq(value.true_branch, lowering)
-    false_branch = _rewrite_seq(value.false_branch, lowering)
+    true_branch = rewrite_seq(value.true_branch)
+    false_branch = rewrite_seq(value.false_branch)
     if true_branch.same_as(value.true_branch) and false_branch.same_as(value.false_branch):
         return binding
-    return relax.VarBinding(binding.var, lowering.builder.normalize(
-        relax.If(value.cond, true_branch, false_branch)))
+    return relax.VarBinding(binding.var, builder.normalize(relax.If(value.cond, true_branch, false_branch)))
 
 
 def _is_view(binding: relax.Binding) -> bool:
@@ -281,6 +287,8 @@ def _parts(bindings, span, used_elsewhere, storages, lowering) -> list[list[int]
     """`span` cut at each count read back whose dim an allocation or view the VM keeps after it
     needs (the VM makes those before it calls the sequence, when the dim is not known yet);
     the read-back stays in the VM there. Parts of fewer than MIN_KERNELS calls are dropped."""
+    while len(span) > 2 and op_key(bindings[span[-2]].value) == "relax.tensor_to_shape":
+        span = span[:-2]  # a count read back last is read for the VM alone: it stays there
     elsewhere = used_elsewhere(span)
     escaping, internal = _placement(bindings, span, elsewhere, storages - elsewhere)
     for position, index in enumerate(span):

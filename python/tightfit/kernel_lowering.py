@@ -61,7 +61,8 @@ def element_bytes(data: tirx.Var) -> int:
 
 def _kernel_lowering():
     lower, finalize_host, finalize_device = compilation_pipeline.get_tir_pipeline("default")
-    return tvm.transform.Sequential([lower, assume_element_aligned_arguments]), finalize_host, finalize_device
+    lowering = tvm.transform.Sequential([lower, assume_element_aligned_arguments])
+    return lowering, finalize_host, finalize_device
 
 
 compilation_pipeline.register_tir_pipeline(KERNEL_LOWERING, _kernel_lowering)

@@ -20,6 +20,7 @@ from tvm import relax
 from .errors import CompilationError
 from .passes import (
     BroadcastAtRunTime,
+    CheckDimsOnShapes,
     ClassifyDynamism,
     FoldBatchNorm,
     FoldConstantCalls,
@@ -129,7 +130,9 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.StaticPlanBlockMemory(),
         ShareSymbolicStorage(),
         # 6. each sequence of kernels becomes one TIR function that calls them in turn, its
-        #    intermediates at offsets in one arena (MNN pre-allocation)
+        #    intermediates at offsets in one arena (MNN pre-allocation); RDP's dim checks are
+        #    made on shape values first, so that a checked tensor does not end a sequence
+        CheckDimsOnShapes(),
         LaunchKernelSequences(),
         relax.transform.LowerAllocTensor(),
         relax.transform.KillAfterLastUse(),

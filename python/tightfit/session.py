@@ -302,9 +302,9 @@ def _inner_shape_error(err: RuntimeError, feeds: dict[str, np.ndarray]) -> Input
     inputs = ", ".join(f"{name} {'x'.join(map(str, array.shape))}" for name, array in feeds.items())
     return InputError(
         f"the model cannot run on these inputs ({inputs}): inside it, axis {axis} of a tensor is "
-        f"{value} where the graph needs {expected} (the tensor {annotation}). The input shapes do "
-        "not fit the model, often a size its strides or reshapes do not divide evenly, or, where "
-        "a dim depends on the input values, the values do not")
+        f"{value} where the graph needs {expected} (checked against {annotation}). The input "
+        "shapes do not fit the model, often a size its strides or reshapes do not divide evenly, "
+        "or, where a dim depends on the input values, the values do not")
 
 
 def _feed_signature(feeds: dict) -> tuple | None:
