@@ -21,7 +21,8 @@ speech_encoder_dynamo at 1x40x40 12.05 -> 9.58 us (one sequence instead of three
 26.70 us.
 
 Limits: only a match_cast of a tensor whose type has a shape, to a type of the same dtype and
-rank that defines no new dim; one defining a dim (a count read back) is left as it is.
+rank that defines no new dim; one defining a dim (a count read back) is left as it is. The
+pass runs after ToNonDataflow: the vars and blocks it makes are not dataflow ones.
 """
 
 from __future__ import annotations
