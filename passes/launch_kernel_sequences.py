@@ -22,7 +22,7 @@ arena with instructions that need 64-byte alignment, which the stack array TVM 0
 512-byte arena did not have (the function does not realign the stack), so a run crashed or
 not depending on where the stack sat. (Kernels now assume only element alignment of their
 arguments, kernel_lowering.py; the minimum stays so that every slot starts on a cache line,
-where a vector load never splits across two.) A tensor the rest of the function sees (an output, a
+and a kernel's vector loads from a slot's start do not split across two.) A tensor the rest of the function sees (an output, a
 value after the sequence or in a branch) keeps its Relax allocation and is passed in.
 
 The arena was first a VM allocation, passed in: a storage and a tensor object a run, 0.25 us
