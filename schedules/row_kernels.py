@@ -20,10 +20,15 @@ row's end, its lanes already covered masked out of sums (`_Row.over_row`; softma
 which rewrites its output in place, loads that vector first, `_Row.rewrite_in_place`); a row
 narrower than a vector in row_chunks.chunk_steps' chunks (at most one of each narrower power of
 two, then single elements), so a 5-wide row is a 4-lane chunk and an element. Over a symbolic
-width the two kinds are versions of the kernel, chosen by the width (`_tail_buckets`). Softmax
+width the kinds are versions of the kernel, chosen by the width (`_tail_buckets`). Softmax
 alone, shifted vectors against chunks in every pass, median of 15 alternating pairs (AVX2
 host): rows of 16 / 20 / 33 / 77 / 128 floats -19 / -21 / -8 / -9 / -7%; layer norm, whose
-widths are static (the chunks' checks resolved when compiled), within 2%. The exponential is
+widths are static (the chunks' checks resolved when compiled), within 2%. Where masked moves
+cost what plain ones do (AVX-512), a row of a symbolic width of at most a vector is one masked
+vector instead. Softmax alone, that against the chunks (the shifted vector at 16), median of 15
+alternating pairs (Zen 4 host, 16 lanes), over 3x4x3x3 / 1x4x5x5 / 2x4x7x7 / 1x4x9x9 /
+3x4x12x12 / 3x4x15x15 / 3x4x16x16: -28 / -8 / -46 / -10 / -14 / -56 / -3%; over rows of one
+float 0.05 against 0.04 us. The exponential is
 TOPI's fast_exp (range reduction to 2^n x a polynomial; its coefficients are Cephes' expf),
 written for vectors. Rows run in parallel above the parallel threshold and serially below
 it (dispatch.parallel_buckets), as the loops fallback_cpu.py schedules.
@@ -47,6 +52,7 @@ from collections.abc import Callable
 
 from tvm import s_tir, tirx
 from tvm.ir.expr import Call
+from tvm.tirx.op import masked_load, masked_store
 
 from .dispatch import loop_work, nested_ifs, parallel_buckets
 from .fallback_cpu import has_root_block
@@ -78,35 +84,44 @@ def schedule_row_kernel(func: tirx.PrimFunc, isa: VectorISA,
     blocks = {sch.get(block).name_hint: sch.get(block)
               for block in sch.get_child_blocks(sch.get_sblock("root"))}
     if _is_last_axis_softmax(func, blocks):
-        def version(parallel, shifted_tail):
-            return softmax_rows(*func.params, isa.lanes, parallel, shifted_tail)
+        def version(parallel, tail):
+            return softmax_rows(*func.params, isa.lanes, parallel, tail)
     elif (epsilon := _last_axis_layer_norm_epsilon(func, blocks)) is not None:
-        def version(parallel, shifted_tail):
-            return layer_norm_rows(*func.params, epsilon, isa.lanes, parallel, shifted_tail)
+        def version(parallel, tail):
+            return layer_norm_rows(*func.params, epsilon, isa.lanes, parallel, tail)
     else:
         return None
     threads = parallel_buckets(loop_work(sch), min_parallel_work)
-    versions = [(width_condition, nested_ifs([(condition, version(parallel, shifted_tail))
+    versions = [(width_condition, nested_ifs([(condition, version(parallel, tail))
                                               for parallel, condition in threads]))
-                for shifted_tail, width_condition in _tail_buckets(func.params[0].shape[-1],
-                                                                   isa.lanes)]
+                for tail, width_condition in _tail_buckets(func.params[0].shape[-1], isa)]
     return func.with_body(nested_ifs(versions)).with_attr("tirx.is_scheduled", True)
 
 
-def _tail_buckets(width, lanes: int) -> list[tuple[bool, object]]:
-    """[(shifted tail?, run-time condition or None for "otherwise")]: a row of a vector or
-    more ends in one vector shifted back to its end (`_Row.over_row`), a narrower one in
-    chunks."""
+# How a row's end that is not a whole vector is moved (`_Row.over_row`)
+SHIFTED = "one vector shifted back to the row's end"  # rows of a vector or more
+CHUNKED = "narrower chunks, then elements"  # rows narrower than a vector
+MASKED = "the whole row in one masked vector"  # rows of at most a vector, fast masks only
+
+
+def _tail_buckets(width, isa: VectorISA) -> list[tuple[str, object]]:
+    """[(tail, run-time condition or None for "otherwise")]: a row of a vector or more ends in
+    one vector shifted back to its end. A narrower row of a symbolic width is one masked
+    vector where masks are fast (isa.VectorISA.fast_masks), else it goes in chunks, as one of
+    a static width does: their checks are resolved when compiled (a layer norm over 3 x 16 x
+    12 took 11% longer masked)."""
     if isinstance(width, tirx.IntImm):
-        return [(width.value >= lanes, None)]
-    return [(True, width >= lanes), (False, None)]
+        return [(SHIFTED if width.value >= isa.lanes else CHUNKED, None)]
+    if isa.fast_masks:
+        return [(MASKED, width <= isa.lanes), (SHIFTED, None)]
+    return [(SHIFTED, width >= isa.lanes), (CHUNKED, None)]
 
 
 def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool,
-                 shifted_tail: bool) -> tirx.Stmt:
-    """The loop over the rows of `data` (softmax along its last axis) writing `out`; with
-    `shifted_tail`, for rows of at least `lanes` floats only (`_Row.over_row`)."""
-    rows = _Rows(data, out, lanes, shifted_tail)
+                 tail: str) -> tirx.Stmt:
+    """The loop over the rows of `data` (softmax along its last axis) writing `out`, ending
+    each row as `tail` says (`_tail_buckets`: each tail holds for some widths only)."""
+    rows = _Rows(data, out, lanes, tail)
     x, y = rows.views
     lowest = tirx.const(-3.4028234663852886e38, data.dtype)
 
@@ -145,10 +160,10 @@ def softmax_rows(data: tirx.Buffer, out: tirx.Buffer, lanes: int, parallel: bool
 
 
 def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, out: tirx.Buffer,
-                    epsilon: float, lanes: int, parallel: bool, shifted_tail: bool) -> tirx.Stmt:
-    """The loop over the rows of `data` (layer norm along its last axis) writing `out`; with
-    `shifted_tail`, for rows of at least `lanes` floats only (`_Row.over_row`)."""
-    rows = _Rows(data, out, lanes, shifted_tail)
+                    epsilon: float, lanes: int, parallel: bool, tail: str) -> tirx.Stmt:
+    """The loop over the rows of `data` (layer norm along its last axis) writing `out`, ending
+    each row as `tail` says (`_tail_buckets`)."""
+    rows = _Rows(data, out, lanes, tail)
     x, y = rows.views
     dtype = data.dtype
     width = tirx.Cast(dtype, rows.width)
@@ -168,10 +183,9 @@ def layer_norm_rows(data: tirx.Buffer, gamma: tirx.Buffer, beta: tirx.Buffer, ou
                                   count, operator.add, slot, fresh)
 
         def out_chunk(column, count, _, __):
-            index = _lanes(column, count)
             scaled = deviation(column, count) * _splat(inverse_deviation, count)
-            return row.store(y, scaled * tirx.BufferLoad(gamma, [index])
-                             + tirx.BufferLoad(beta, [index]), column, count)
+            return row.store(y, scaled * row.along(gamma, column, count)
+                             + row.along(beta, column, count), column, count)
 
         return [
             [*row.start(total, zero),
@@ -208,10 +222,10 @@ class _Rows:
     """A tensor and its output seen as rows along the last axis, and the loop over the rows
     whose body is built per row (`_Row`) in stages."""
 
-    def __init__(self, data: tirx.Buffer, out: tirx.Buffer, lanes: int, shifted_tail: bool):
+    def __init__(self, data: tirx.Buffer, out: tirx.Buffer, lanes: int, tail: str):
         *leading, self.width = data.shape
         self.lanes = lanes
-        self.shifted_tail = shifted_tail
+        self.tail = tail
         self.index_type = self.width.ty.dtype
         self.count = functools.reduce(operator.mul, leading, tirx.const(1, self.index_type))
         wide = isinstance(self.width, tirx.IntImm) and self.width.value >= ROW_ACCUMULATORS * lanes
@@ -260,10 +274,23 @@ class _Row:
         self.allocations: list[tirx.Stmt] = []
 
     def at(self, view, column, count: int):
-        return tirx.BufferLoad(view, [self.index, _lanes(column, count)])
+        indices = [self.index, _lanes(column, count)]
+        if self.rows.tail == MASKED:
+            return masked_load(f"{view.dtype}x{count}", view, *indices, self._in_row())
+        return tirx.BufferLoad(view, indices)
+
+    def along(self, parameter: tirx.Buffer, column, count: int):
+        """A chunk of a parameter that runs along the row (a layer norm's gamma or beta)."""
+        if self.rows.tail == MASKED:
+            return masked_load(f"{parameter.dtype}x{count}", parameter, _lanes(column, count),
+                               self._in_row())
+        return tirx.BufferLoad(parameter, [_lanes(column, count)])
 
     def store(self, view, value, column, count: int) -> tirx.Stmt:
-        return tirx.BufferStore(view, value, [self.index, _lanes(column, count)])
+        indices = [self.index, _lanes(column, count)]
+        if self.rows.tail == MASKED:
+            return tirx.Evaluate(masked_store(view, value, *indices, self._in_row()))
+        return tirx.BufferStore(view, value, indices)
 
     def accumulator(self, name: str) -> tirx.Buffer:
         """A vector accumulator of the row's body, a vector per slot: a "global" stack array,
@@ -293,7 +320,7 @@ class _Row:
         time, each into its own accumulator slot, then the rest into slot 0, `fresh` None but
         for a shifted tail.
 
-        The rest, for rows of at least a vector (`_Rows.shifted_tail`): the whole vectors left,
+        The rest, for rows of at least a vector (`SHIFTED`): the whole vectors left,
         then, where the width is not a multiple of the vector, one vector ending at the row's
         end, its `fresh` lanes (a mask) those the vectors before it did not cover. Its chunk
         body combines only those into accumulators, and stores into the others what they hold
@@ -302,10 +329,16 @@ class _Row:
         narrower powers of two, then single elements. Under a symbolic width those chunks' and
         elements' checks, in every pass over every row, cost as much as the loops doing the
         work: a softmax over 3 x 4 x 16 x 16 took 3.29 us alone, 2.50 us with no checks at all
-        (wrong at other widths), 2.14 us at a static width."""
-        whole, done = self._whole_vectors(chunk_body)
+        (wrong at other widths), 2.14 us at a static width.
+
+        A row of at most a vector where masks are fast (`MASKED`) is one vector, its lanes
+        past the row's end masked out of loads, stores and accumulators: no loop and no check.
+        """
         rows = self.rows
-        if rows.shifted_tail:
+        if rows.tail == MASKED:
+            return [chunk_body(tirx.const(0, rows.index_type), rows.lanes, 0, self._in_row())]
+        whole, done = self._whole_vectors(chunk_body)
+        if rows.tail == SHIFTED:
             return whole + [tirx.IfThenElse(self._remainder() != 0, chunk_body(
                 rows.width - rows.lanes, rows.lanes, 0, self._fresh_lanes()), None)]
         chunks, covered = chunk_steps(rows.width - done, rows.lanes, rows.index_type,
@@ -326,7 +359,7 @@ class _Row:
             return self.store(view, update(self.at(view, column, count), count), column, count)
 
         rows = self.rows
-        if not rows.shifted_tail:
+        if rows.tail != SHIFTED:
             return self.over_row(chunk)
         last_column = rows.width - rows.lanes
         last = tirx.Var("row_last_vector", f"{view.dtype}x{rows.lanes}")
@@ -347,7 +380,7 @@ class _Row:
         steps = [tirx.For(group, tirx.const(0, index_type), tirx.floordiv(width, step),
                           tirx.ForKind.SERIAL, slots[0] if len(slots) == 1 else tirx.SeqStmt(slots))]
         done = tirx.floordiv(width, step) * step
-        if rows.shifted_tail and rows.slots > 1:
+        if rows.tail == SHIFTED and rows.slots > 1:
             vector = tirx.Var("vector", index_type)
             steps.append(tirx.For(vector, tirx.const(0, index_type),
                                   tirx.floordiv(width - done, lanes), tirx.ForKind.SERIAL,
@@ -356,6 +389,12 @@ class _Row:
 
     def _remainder(self):
         return tirx.floormod(self.rows.width, self.rows.lanes)
+
+    def _in_row(self):
+        """The lanes of a vector at the row's start that lie inside the row."""
+        lanes = self.rows.lanes
+        return (tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
+                < tirx.Broadcast(tirx.Cast("int32", self.rows.width), lanes))
 
     def _fresh_lanes(self):
         """The lanes of the row's last vector, shifted back to its end, that the whole vectors

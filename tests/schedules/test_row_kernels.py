@@ -1,6 +1,9 @@
 """The row kernels (schedules/row_kernels.py), softmax and layer norm, match onnxruntime at every
 row width."""
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -104,7 +107,7 @@ def test_row_softmax_matches_onnxruntime_at_any_width(compiled_sessions, batch, 
 
 def test_row_softmax_matches_onnxruntime_at_the_vector_edges(compiled_sessions):
     """Symbolic widths around whole vectors of this host's ISA: a row narrower than a vector
-    (chunks), exactly one, one past it and one short of two (a vector shifted back to the row's
+    (chunks, or one masked vector where masks are fast), exactly one, one past it and one short of two (a vector shifted back to the row's
     end, masked to the lanes left), serial and parallel; the maximum in the shifted vector's
     masked lanes in one row, in its fresh lanes in another. A sum that took an overlapped lane
     twice, or a fresh one not at all, would miss onnxruntime's values by far more than the
@@ -204,3 +207,51 @@ def test_row_layer_norm_matches_onnxruntime_at_vector_edges(knob_database, width
         feeds = {"x": (rng.standard_normal((batch, sequence, width)) + mean).astype(np.float32)}
         np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
                                    rtol=1e-4, atol=2e-4, err_msg=f"{batch}x{sequence}")
+
+
+def test_narrow_rows_of_a_symbolic_width_are_one_masked_vector_where_masks_are_fast():
+    """AVX-512 (fast masks) moves a row narrower than a vector as one masked vector; AVX2, whose
+    masked moves are slow on AMD Zen, keeps its chunks."""
+    avx512 = scheduled_softmax(softmax_model(-1), target={"kind": "llvm", "mcpu": "skylake-avx512"})
+    avx2 = scheduled_softmax(softmax_model(-1), target={"kind": "llvm", "mcpu": "haswell"})
+    assert 'T.masked_load("float32x16"' in avx512 and "T.masked_store(" in avx512
+    assert "masked" not in avx2
+
+
+# An input whose last row ends where an unreadable page begins: a masked vector that loaded a
+# lane past the row's end would fault (numerically, a masked-out lane read changes nothing).
+GUARD_PAGE_RUN = """
+import ctypes, mmap, sys
+import numpy as np
+from onnx import TensorProto, helper
+import tightfit
+
+width = int(sys.argv[1])
+graph = helper.make_graph(
+    [helper.make_node("Softmax", ["x"], ["y"], axis=-1)], "softmax",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "s"])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "s"])])
+session = tightfit.compile(helper.make_model(
+    graph, opset_imports=[helper.make_opsetid("", 17)])).session()
+page = mmap.PAGESIZE
+memory = mmap.mmap(-1, 2 * page)
+start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.mprotect(ctypes.c_void_p(start + page), page, 0) == 0  # PROT_NONE
+rows = 3
+x = np.frombuffer(memory, np.float32, rows * width, offset=page - rows * width * 4)
+x = x.reshape(rows, width)
+x[:] = np.random.default_rng(width).standard_normal((rows, width))
+y = session.run({"x": x})["y"]
+e = np.exp(x - x.max(axis=1, keepdims=True))
+np.testing.assert_allclose(y, e / e.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-7)
+"""
+
+
+@pytest.mark.parametrize("width", [1, 5, 16])
+def test_narrow_rows_read_nothing_past_the_input(width):
+    """Softmax over rows of `width` that end at an unreadable page, read in place (the session
+    views the input), run in a process of its own so that a fault fails only this test."""
+    run = subprocess.run([sys.executable, "-c", GUARD_PAGE_RUN, str(width)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
