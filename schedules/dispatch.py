@@ -17,9 +17,10 @@ output width in vectors):
   tiles of 4 rows, panels outermost; a GEMM over a few tokens, the direct conv's 4- to 14-wide
   maps (ResNet-18's last two stages at 128x128 input). One row at a time there re-read the
   weights per row: ResNet-18's 256 -> 512 stride-2 conv at 4x4 ran 1046-1184 us, in 4-row
-  tiles 298-306 us (register_tile.short_tile_knobs). A direct conv also runs them on wider
-  rows where they take fewer issue slots than the long tiles, whose shifted last tile computes
-  up to a tile of rows twice (a 16-wide row in 15-row tiles: register_tile.short_tiles_cost_less).
+  tiles 298-306 us (register_tile.short_tile_knobs). Both also run them on longer rows where
+  they take fewer issue slots than the long tiles, whose shifted last tile computes up to a
+  tile of rows twice (a 16-wide row or 16 tokens in 15-row tiles:
+  register_tile.short_tiles_cost_less).
 - M below that: SINGLE_ROW, one row at a time across wide vector panels, parallel over the
   panels; skinny GEMMs (GEMV-like), direct convs under 4 columns wide, and the width and
   depthwise kernels' maps narrower than a vector (their tile is a vector of columns; they have

@@ -21,7 +21,8 @@ memory once and stays in L2 while every row tile uses it.
 Three versions cover a symbolic row extent M (dispatch.py picks at run time):
 - ROW_TILES (M >= rows): `rows` rows per tile, the last tile shifted back (tail_tiles.py);
 - SHORT_ROW_TILES (SHORT_TILE_ROWS <= M < rows; a conv's 4- to 14-wide maps, a GEMM over a
-  few tokens): the same with short tiles (short_tile_knobs);
+  few tokens; and longer rows where they cost less, short_tiles_cost_less): the same with
+  short tiles (short_tile_knobs);
 - SINGLE_ROW (M below that; a GEMV-like skinny GEMM, a map a pixel or two wide): one row
   at a time, parallel over column panels, the row loop cut to M.
 A static row extent smaller than the register budget's tile (a GEMV-like layer) gets wider
