@@ -19,12 +19,13 @@ output width in vectors):
   weights per row: ResNet-18's 256 -> 512 stride-2 conv at 4x4 ran 1046-1184 us, in 4-row
   tiles 298-306 us (register_tile.short_tile_knobs). Both also run them on longer rows where
   they take fewer issue slots than the long tiles, whose shifted last tile computes up to a
-  tile of rows twice (a 16-wide row or 16 tokens in 15-row tiles:
-  register_tile.short_tiles_cost_less).
+  tile of rows twice (a 16-wide row or 16 tokens in 15-row tiles: register_tile.version_slots).
 - M below that: SINGLE_ROW, one row at a time across wide vector panels, parallel over the
   panels; skinny GEMMs (GEMV-like), direct convs under 4 columns wide, and the width and
   depthwise kernels' maps narrower than a vector (their tile is a vector of columns; they have
-  no short version).
+  no short version). A GEMM also runs it on more rows where it takes fewer issue slots than
+  4-row tiles that compute some rows twice (5 tokens: 8 rows), its row across several of the
+  weight's panels (register_tile.single_row_knobs).
 The thresholds are tile heights because that is where a tile stops fitting: the shifted
 tail needs M >= its rows. A static M compiles only its own version.
 A pointwise conv over many input channels has CHANNEL_VECTORS in place of ROW_TILES (vectors
@@ -54,24 +55,30 @@ from .tail_tiles import rewrite_loop_nest
 
 
 def row_buckets(row_extent, rows: int, short_rows: int | None = None,
-                short_costs_less=None) -> list[tuple[str, object]]:
-    """[(version, run-time condition or None for "otherwise")], most specific first;
-    SHORT_ROW_TILES between `short_rows` and `rows` where given and smaller than `rows`, and
-    from `rows` on too wherever `short_costs_less(row_extent)` holds, when given (a condition
-    on the extent: register_tile.short_tiles_cost_less)."""
-    has_short = short_rows is not None and short_rows < rows
+                slots=None) -> list[tuple[str, object]]:
+    """[(version, run-time condition or None for "otherwise")], most specific first:
+    ROW_TILES from `rows` on, SHORT_ROW_TILES from `short_rows` where given and smaller than
+    `rows`, SINGLE_ROW below. With `slots(version, extent)` (register_tile.version_slots of
+    each version's tile; None for a version not costed), a version runs only where no costed
+    version after it takes fewer."""
+    versions = [(ROW_TILES, rows)]
+    if short_rows is not None and short_rows < rows:
+        versions.append((SHORT_ROW_TILES, short_rows))
+    versions.append((SINGLE_ROW, 1))
+
+    def conditions(index: int, extent) -> list:
+        version, least = versions[index]
+        costed = [later for later, _ in versions[index + 1:]
+                  if slots is not None and slots(later, extent) is not None]
+        costs = [slots(version, extent) <= slots(later, extent) for later in costed]
+        return [extent >= least, *costs]
+
     if isinstance(row_extent, (int, tirx.IntImm)):
         extent = int(row_extent)
-        if extent >= rows and not (has_short and short_costs_less and short_costs_less(extent)):
-            return [(ROW_TILES, None)]
-        return [(SHORT_ROW_TILES if has_short and extent >= short_rows else SINGLE_ROW, None)]
-    row_tiles = row_extent >= rows
-    if has_short and short_costs_less is not None:
-        row_tiles = tirx.all(row_tiles, tirx.Not(short_costs_less(row_extent)))
-    buckets = [(ROW_TILES, row_tiles)]
-    if has_short:
-        buckets.append((SHORT_ROW_TILES, row_extent >= short_rows))
-    return buckets + [(SINGLE_ROW, None)]
+        return [(next((version for index, (version, _) in enumerate(versions[:-1])
+                       if all(conditions(index, extent))), SINGLE_ROW), None)]
+    return [(version, tirx.all(*conditions(index, row_extent)))
+            for index, (version, _) in enumerate(versions[:-1])] + [(SINGLE_ROW, None)]
 
 
 # Measured on this 2-core host, whole zoo models timed with thresholds from 2^16 to 2^21: 2^17

@@ -21,9 +21,10 @@ memory once and stays in L2 while every row tile uses it.
 Three versions cover a symbolic row extent M (dispatch.py picks at run time):
 - ROW_TILES (M >= rows): `rows` rows per tile, the last tile shifted back (tail_tiles.py);
 - SHORT_ROW_TILES (SHORT_TILE_ROWS <= M < rows; a conv's 4- to 14-wide maps, a GEMM over a
-  few tokens; and longer rows where they cost less, short_tiles_cost_less): the same with
-  short tiles (short_tile_knobs);
-- SINGLE_ROW (M below that; a GEMV-like skinny GEMM, a map a pixel or two wide): one row
+  few tokens; and longer rows where they cost less, version_slots): the same with short
+  tiles (short_tile_knobs);
+- SINGLE_ROW (M below that; a GEMV-like skinny GEMM, a map a pixel or two wide; and a GEMM's
+  rows where it costs less than short tiles that compute rows twice, version_slots): one row
   at a time, parallel over column panels, the row loop cut to M.
 A static row extent smaller than the register budget's tile (a GEMV-like layer) gets wider
 panels instead, up to SKINNY_VECTORS vectors (default_tile_knobs).
@@ -149,24 +150,40 @@ def short_tile_knobs(knobs: TileKnobs, columns, isa: VectorISA) -> TileKnobs:
                    vectors=chained_vectors(SHORT_TILE_ROWS, knobs.vectors, columns, isa))
 
 
-def short_tiles_cost_less(row_extent, knobs: TileKnobs, columns: int, isa: VectorISA):
-    """Whether SHORT_ROW_TILES covers a row of `row_extent` (at least a ROW_TILES tile) in
-    fewer issue slots (`tile_cost`, over the column panels) than ROW_TILES, whose last tile is
-    shifted back and computes rows twice: a 16-wide conv row takes two 15-row tiles (30 rows),
-    or four 4-row ones. A bool for a known extent, else a condition on it.
+def single_row_knobs(knobs: TileKnobs, columns, isa: VectorISA, chained: bool) -> TileKnobs:
+    """The SINGLE_ROW tile: one row, across `knobs.vectors`, or `chained_vectors` where
+    `chained`. GEMMs chain: their weights stay in L1 or L2 while rows re-read them, and one row
+    of two vectors waited on the multiply-add latency. A direct conv does not: its weights can
+    be megabytes, re-read from memory for every row.
 
-    ResNet-18's 64 -> 128 stride-2 conv over a symbolic plane, alone, one thread, output
-    widths 15..31 (the maps as tall), 15-row tiles against 4 x 2 short tiles, us: 15: 153 /
-    177, 16: 315 / 189, 20: 398 / 292, 24: 483 / 424, 26: 525 / 540, 28: 569 / 579, 30: 609 /
-    700, 31: 926 / 733; the slots pick the faster one or a near tie (26, 28) at each."""
-    short = short_tile_knobs(knobs, columns, isa)
+    With GEMMs' single rows chained and costed against short tiles (version_slots), one
+    process, medians of 5-7 alternating profiles, whole runs: torch_transformer_layers 1x5x32
+    6.85 -> 5.88 us (its QKV GEMM over 5 x 1 x 32, one row per batch entry, 1.03 -> 0.32 us),
+    3x12x32 27.57 -> 25.19 us; transformer_encoder_dynamo 1x5 6.12 -> 5.73 us (GEMMs of 5 x 32
+    x 96 and x 64 0.43 / 0.49 -> 0.32 / 0.33 us); every kernel of transformer_encoder at 3x16
+    and 2x33, speech_encoder_dynamo, detector_fpn, conv_dynamic_hw, ResNet-18 and MobileNetV2
+    within 4% alone, their kernels summed within 0.3%."""
+    vectors = chained_vectors(1, knobs.vectors, columns, isa) if chained else knobs.vectors
+    return replace(knobs, rows=1, vectors=vectors)
 
-    def slots(tile: TileKnobs):
-        panels = -(-int(columns) // (tile.vectors * isa.lanes))
-        tiles = (row_extent + tile.rows - 1) // tile.rows
-        return tiles * panels * tile_cost(tile.rows, tile.vectors)
 
-    return slots(short) < slots(knobs)
+def version_slots(row_extent, tile: TileKnobs, columns: int, isa: VectorISA):
+    """Issue slots (`tile_cost`, over the column panels) of one reduction step of `tile`'s
+    tiles covering a row of `row_extent`: whole tiles, the last shifted back to compute some
+    rows twice (a 16-wide row in 15-row tiles computes 30 rows, in 4-row ones 16). A number
+    for a known extent, else an expression of it.
+
+    Direct convs, ResNet-18's 64 -> 128 stride-2 conv over a symbolic plane, alone, one thread,
+    output widths 15..31 (the maps as tall), 15-row tiles against 4 x 2 short tiles, us: 15:
+    153 / 177, 16: 315 / 189, 20: 398 / 292, 24: 483 / 424, 26: 525 / 540, 28: 569 / 579, 30:
+    609 / 700, 31: 926 / 733; the slots pick the faster one or a near tie (26, 28) at each.
+    GEMMs, 4-row tiles against single rows of chained vectors, each alone, rows 4 to 14: over
+    K x N = 64 x 96 at 5 / 6 / 9 rows 0.85 / 0.85 / 1.27 us against 0.63 / 0.75 / 1.12, at 8
+    rows 0.85 against 1.00 (the slots pick each); over 32 x 32 and narrower the 4-row tiles
+    won or tied at every count, and the slots pick them."""
+    panels = -(-int(columns) // (tile.vectors * isa.lanes))
+    tiles = (row_extent + tile.rows - 1) // tile.rows
+    return tiles * panels * tile_cost(tile.rows, tile.vectors)
 
 
 def chained_vectors(rows: int, vectors: int, columns, isa: VectorISA) -> int:
@@ -200,7 +217,8 @@ def tile_cost(rows: int, vectors: int) -> int:
 def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_extent,
                             out_row_axis: int, knobs: TileKnobs, isa: VectorISA,
                             version: str, parallel: bool = True) -> list[tuple]:
-    """Schedule tiles/out as the micro-kernel above; returns the tail rewrites still to apply.
+    """Schedule tiles/out as the micro-kernel above, in `version`'s tile `knobs`
+    (short_tile_knobs, single_row_knobs); returns the tail rewrites still to apply.
     `parallel` False keeps the outer loops serial (the small-work version, dispatch.py).
 
     The rewrites (`apply_rewrites`) change loop bounds and block bindings, which schedule
@@ -210,8 +228,6 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
     spatial_count = _spatial_iter_count(sch, tiles_block)
     spatial, reductions = loops[:spatial_count], loops[spatial_count:]
     batch, row, col = spatial[:-2], spatial[-2], spatial[-1]
-    if version == SHORT_ROW_TILES:
-        knobs = short_tile_knobs(knobs, sch.get(col).extent, isa)
     col_outer, col_vector, col_lane = sch.split(col, [None, knobs.vectors, isa.lanes])
     inner_reduction = _split_reduction(sch, reductions, knobs.reduction_unroll)
     if version in (ROW_TILES, SHORT_ROW_TILES):

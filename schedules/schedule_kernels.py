@@ -34,15 +34,20 @@ from .pool_kernels import schedule_max_pool
 from .register_tile import (
     KERNEL_ANNOTATION,
     REDUCTION_UNROLL_ANNOTATION,
+    ROW_TILES,
     ROWS_ANNOTATION,
+    SHORT_ROW_TILES,
     SHORT_TILE_ROWS,
-    SYMBOLIC_COLUMNS,
+    SINGLE_ROW,
     STAGE_ANNOTATION,
+    SYMBOLIC_COLUMNS,
     VECTORS_ANNOTATION,
     TileKnobs,
     apply_rewrites,
     schedule_register_tiles,
-    short_tiles_cost_less,
+    short_tile_knobs,
+    single_row_knobs,
+    version_slots,
 )
 from .row_kernels import schedule_row_kernel
 
@@ -95,9 +100,10 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     out_buffer = base.get(out_block).writes[0].source
     row_extent, out_row_axis = conv2d.output_row_extent(out_buffer.shape, annotations)
     versions = []
+    tiles_by_version = _version_tiles(base, block_name, annotations, isa)
     version_buckets = row_buckets(row_extent, rows,
                                   SHORT_TILE_ROWS if kind in REGISTER_TILE_KERNELS else None,
-                                  _short_costs_less(base, block_name, annotations, isa))
+                                  _version_slots(base, block_name, kind, tiles_by_version, isa))
     if annotations.get(conv2d.CHANNEL_VECTORS_ANNOTATION):
         channels = int(base.get(base.get_sblock(block_name)).iter_vars[1].dom.extent)
         _, tile_pixels = conv2d.channel_vector_tile(isa, channels)
@@ -113,10 +119,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         if conv2d.FLAT_PIXELS_ANNOTATION in annotations:
             conv2d.flatten_output_pixels(sch, out_block)
         if kind in REGISTER_TILE_KERNELS:
-            knobs = TileKnobs(rows, int(annotations[VECTORS_ANNOTATION]),
-                              int(annotations.get(REDUCTION_UNROLL_ANNOTATION, 1)))
             rewrites = schedule_register_tiles(sch, tiles, out_block, row_extent, out_row_axis,
-                                               knobs, isa, version, parallel)
+                                               tiles_by_version[version], isa, version, parallel)
             if kind == gemm.MATMUL:
                 rewrites.append(("pack_panels", gemm.RHS_PANELS))
         elif kind == conv2d.WIDTH_VECTORS:
@@ -155,27 +159,55 @@ def _direct_kernel(base: s_tir.Schedule, block_name: str, annotations: dict,
         isa.registers, loop_work(base, MAC_KERNELS), min_parallel_work)
 
 
-def _short_costs_less(base: s_tir.Schedule, block_name: str, annotations: dict, isa: VectorISA):
-    """register_tile.short_tiles_cost_less for a register-tile kernel's rows, over its tiles'
-    columns (a symbolic count, attention's scores over the tokens, as the SYMBOLIC_COLUMNS the
-    tile was sized for); None for the other kernels.
+def _version_tiles(base: s_tir.Schedule, block_name: str, annotations: dict,
+                   isa: VectorISA) -> dict[str, TileKnobs]:
+    """A register-tile kernel's tile in each row version (register_tile.py); {} for the other
+    kernels."""
+    kind = str(annotations[KERNEL_ANNOTATION])
+    if kind not in REGISTER_TILE_KERNELS:
+        return {}
+    knobs = TileKnobs(int(annotations[ROWS_ANNOTATION]), int(annotations[VECTORS_ANNOTATION]),
+                      int(annotations.get(REDUCTION_UNROLL_ANNOTATION, 1)))
+    columns = _tile_columns(base, block_name)
+    return {ROW_TILES: knobs, SHORT_ROW_TILES: short_tile_knobs(knobs, columns, isa),
+            SINGLE_ROW: single_row_knobs(knobs, columns, isa, chained=kind != conv2d.DIRECT)}
 
-    GEMMs too: a 16-token sequence took two 15-row tiles, computing 30 rows. Whole runs, one
-    process, median of 15 alternating turns, GEMMs with the cost's choice against ROW_TILES from
-    a tile's rows on: transformer_encoder_dynamo 3x16 36.99 -> 30.34 us, transformer_encoder
-    3x16 42.81 -> 36.39 us, torch_transformer_layers 3x12 31.41 -> 29.69 us,
-    transformer_encoder_wide 4x32 2256 -> 2103 us; within 1% at 1x5, 2x33 and 1x128 (and at
+
+def _version_slots(base: s_tir.Schedule, block_name: str, kind: str, tiles_by_version: dict,
+                   isa: VectorISA):
+    """register_tile.version_slots of a register-tile kernel's versions over its tiles' columns
+    (a symbolic count, attention's scores over the tokens, as the SYMBOLIC_COLUMNS the tile was
+    sized for); None for the other kernels. A direct conv's single rows are not costed: each
+    re-reads the whole weight, which the slots do not count (register_tile.short_tile_knobs:
+    3.5x the 4-row tiles' time at 4x4).
+
+    GEMMs too, not only direct convs: a 16-token sequence took two 15-row tiles, computing 30
+    rows. Whole runs, one process, median of 15 alternating turns, GEMMs with the cost's choice
+    against ROW_TILES from a tile's rows on: transformer_encoder_dynamo 3x16 36.99 -> 30.34 us,
+    transformer_encoder 3x16 42.81 -> 36.39 us, torch_transformer_layers 3x12 31.41 -> 29.69
+    us, transformer_encoder_wide 4x32 2256 -> 2103 us; within 1% at 1x5, 2x33 and 1x128 (and at
     1x5 both ran short tiles already), speech_encoder_dynamo within 2.5%. ResNet-18's Winograd
     GEMMs (rows: tiles of the map), summed, each alone, median of 5: 1x3x128x128 403 -> 335 us,
     2x3x96x112 674 -> 619 us; MobileNetV2's GEMMs and the CNNs of the zoo within 1%."""
-    if str(annotations[KERNEL_ANNOTATION]) not in REGISTER_TILE_KERNELS:
+    if not tiles_by_version:
         return None
-    knobs = TileKnobs(int(annotations[ROWS_ANNOTATION]), int(annotations[VECTORS_ANNOTATION]))
+    columns = _tile_columns(base, block_name)
+    columns = int(columns) if isinstance(columns, tirx.IntImm) else SYMBOLIC_COLUMNS
+    costed = set(tiles_by_version) - ({SINGLE_ROW} if kind == conv2d.DIRECT else set())
+
+    def slots(version: str, row_extent):
+        if version not in costed:
+            return None
+        return version_slots(row_extent, tiles_by_version[version], columns, isa)
+
+    return slots
+
+
+def _tile_columns(base: s_tir.Schedule, block_name: str):
+    """The extent of a tiles block's columns: its last spatial axis."""
     spatial = [iv for iv in base.get(base.get_sblock(block_name)).iter_vars
                if iv.iter_type == tirx.IterVar.DataPar]
-    columns = spatial[-1].dom.extent
-    columns = int(columns) if isinstance(columns, tirx.IntImm) else SYMBOLIC_COLUMNS
-    return lambda row_extent: short_tiles_cost_less(row_extent, knobs, columns, isa)
+    return spatial[-1].dom.extent
 
 
 def _schedule_transform(base: s_tir.Schedule, block_name: str, annotations: dict, isa: VectorISA,

@@ -24,6 +24,7 @@ from tightfit.passes.select_conv_algorithm import CONV_PANEL_WIDTH
 from tightfit.schedules import conv2d, schedule_kernels
 from tightfit.schedules.conv2d import FLAT_PIXELS_ANNOTATION
 from tightfit.schedules.conv_cost import WINOGRAD_TILES
+from tightfit.schedules.dispatch import row_buckets
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import isa_for_target
 from tightfit.schedules.knob_database import KnobDatabase
@@ -214,9 +215,9 @@ def test_attention_scores_over_a_symbolic_sequence_match_onnxruntime(knob_databa
                                lambda s: {"q": _normal(2, s, 8), "k": _normal(2, 8, s)}, extents)
 
 
-def _tile_rows_run_at(func: tvm.tirx.PrimFunc, extent: int) -> int:
-    """The rows of the register tile that `func`'s version dispatch picks with every symbolic
-    dim at `extent`: the longest unrolled loop of the chosen version (its tile's rows)."""
+def _unrolled_loops_run_at(func: tvm.tirx.PrimFunc, extent: int) -> list[int]:
+    """The extents of the unrolled loops (a register tile's rows and vectors) of the version
+    that `func`'s dispatch picks with every symbolic dim at `extent`."""
     analyzer = tvm.sym.Analyzer()
     for buffer in func.params:
         for dim in buffer.shape:
@@ -232,7 +233,7 @@ def _tile_rows_run_at(func: tvm.tirx.PrimFunc, extent: int) -> int:
     unrolled = []
     rewrite_loop_nest(stmt.block.body, lambda realize: realize, on_enter_for=lambda loop: (
         unrolled.append(int(loop.extent)) if loop.kind == tvm.tirx.ForKind.UNROLLED else None))
-    return max(unrolled)
+    return unrolled
 
 
 @pytest.mark.parametrize("tokens, long_tiles", [(14, False), (15, True), (16, False), (30, True),
@@ -240,14 +241,34 @@ def _tile_rows_run_at(func: tvm.tirx.PrimFunc, extent: int) -> int:
 def test_attention_scores_take_short_tiles_where_long_ones_compute_many_rows_twice(
         knob_database, tokens, long_tiles):
     """Past a tile's rows, a GEMM's long tiles run only where they cost less than short ones
-    (register_tile.short_tiles_cost_less), as a direct conv's do: 16 tokens in 15-row tiles
+    (register_tile.version_slots), as a direct conv's do: 16 tokens in 15-row tiles
     computed 30 rows (transformer_encoder_dynamo at 3x16, whole run: 36.99 -> 30.34 us)."""
     isa = isa_for_target(resolve_target("host").tvm_target)
     if isa.lanes != 16:
         pytest.skip("the token counts are those of AVX-512's 15-row tiles")
     func = _scheduled_kernel_func(attention_scores_model(), "matmul_packed_rhs", knob_database)
-    assert _tile_rows_run_at(func, tokens) == (
+    assert max(_unrolled_loops_run_at(func, tokens)) == (
         host_rows(SYMBOLIC_COLUMNS) if long_tiles else register_tile.SHORT_TILE_ROWS)
+
+
+@pytest.mark.parametrize("columns, rows, one_at_a_time", [
+    (96, 4, False), (96, 5, True), (96, 6, True), (96, 8, False), (96, 9, True), (32, 5, False)])
+def test_a_gemm_runs_few_rows_one_at_a_time_where_short_tiles_compute_many_twice(
+        knob_database, columns, rows, one_at_a_time):
+    """Below a tile's rows, a GEMM runs one row at a time across several of its weight's panels
+    (register_tile.single_row_knobs) where that takes fewer issue slots than 4-row tiles, which
+    cover 5 rows in 8 (register_tile.version_slots): 96 columns at 5, 6 and 9 rows; 4-row
+    tiles at 4 and 8 rows, and over 32 columns, where one row has too few chains."""
+    isa = isa_for_target(resolve_target("host").tvm_target)
+    if isa.lanes != 16:
+        pytest.skip("the row counts are those of AVX-512's tiles")
+    func = _scheduled_kernel_func(dense_model(columns), "dense_packed", knob_database)
+    unrolled = _unrolled_loops_run_at(func, rows)
+    assert (register_tile.SHORT_TILE_ROWS not in unrolled) == one_at_a_time
+    if one_at_a_time:
+        assert max(unrolled) == columns // isa.lanes  # every panel in one row's chains
+    assert_matches_onnxruntime(dense_model(columns), "dense_packed", knob_database,
+                               lambda m: {"x": _normal(m, 24)}, [rows])
 
 
 def test_an_epilogue_reading_a_value_twice_is_computed_in_the_write_back(knob_database):
@@ -313,7 +334,7 @@ def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_datab
                                                                       kernel, stride):
     """32 channels 3x3 stride 2: where the cost model picks the direct kernel (ResNet's
     downsampling convs, conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS). Beyond a tile the long
-    tiles run only where they cost less than short ones (short_tiles_cost_less): at a tile's
+    tiles run only where they cost less than short ones (version_slots): at a tile's
     width, and two tiles' less one (a shifted last tile)."""
     rows = host_rows(24, CONV_PANEL_WIDTH)
     widths = sorted({stride * (edge - 1) + 1
@@ -354,12 +375,22 @@ def test_short_tiles_run_where_long_ones_would_compute_many_rows_twice(out_width
     knobs, isa = TileKnobs(rows=15, vectors=1), isa_for_target(resolve_target("host").tvm_target)
     if isa.lanes != 16:
         pytest.skip("the measured tiles are AVX-512's")
-    assert register_tile.short_tiles_cost_less(out_width, knobs, 128, isa) == short
+    tiles = {register_tile.ROW_TILES: knobs,
+             register_tile.SHORT_ROW_TILES: register_tile.short_tile_knobs(knobs, 128, isa)}
+
+    def slots(version, extent):  # a conv's single rows are not costed (schedule_kernels.py)
+        return register_tile.version_slots(extent, tiles[version], 128, isa) \
+            if version in tiles else None
+
+    expected = register_tile.SHORT_ROW_TILES if short else register_tile.ROW_TILES
+    assert row_buckets(out_width, 15, register_tile.SHORT_TILE_ROWS, slots) == [(expected, None)]
     width = tvm.tirx.Var("ow", "int64")
-    condition = register_tile.short_tiles_cost_less(width, knobs, 128, isa)
     analyzer = tvm.sym.Analyzer()
     analyzer.bind(width, out_width)
-    assert bool(analyzer.simplify(condition)) == short
+    chosen = next(version for version, condition in row_buckets(
+        width, 15, register_tile.SHORT_TILE_ROWS, slots)
+        if condition is None or bool(analyzer.simplify(condition)))
+    assert chosen == expected
 
 
 def test_short_tiles_cover_a_narrow_map_once(knob_database):
