@@ -202,6 +202,43 @@ def test_a_lowered_sequence_matches_onnxruntime_at_any_batch(mlp_session, rows):
         np.testing.assert_allclose(got, expected[name], rtol=1e-5, atol=1e-5)
 
 
+def _split_then_multiply() -> onnx.ModelProto:
+    """x[n, 6] -> Exp -> Split into three [n, 2] -> the first two multiplied -> Relu; the third is
+    an output too: a tuple of tensors between two kernels, as TorchScript's exporter splits a
+    transformer's q, k and v."""
+    nodes = [helper.make_node("Exp", ["x"], ["e"]),
+             helper.make_node("Split", ["e"], ["a", "b", "c"], axis=1, num_outputs=3),
+             helper.make_node("Mul", ["a", "b"], ["m"]),
+             helper.make_node("Relu", ["m"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "split", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2]),
+         helper.make_tensor_value_info("c", TensorProto.FLOAT, ["n", 2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_tuple_of_tensors_between_kernels_stays_inside_the_sequence():
+    """The Split's tuple and the items taken of it are views of its tensors: the kernels on
+    either side run in one sequence (transformer_encoder, exported by TorchScript, ran in three
+    with two kernels left to the VM), and the item the caller sees is its tensor, passed in."""
+    model = _split_then_multiply()
+    mod = _lowered(model)
+    relax.analysis.well_formed(mod)
+    (name, sequence), = kernel_sequences(mod).items()
+    assert _calls(mod["main"].body) == [name]
+    assert len(_kernels_called(sequence)) == len(_calls(mod[interpreted("main")].body)) == 2
+    assert arena_violations(sequence, lambda dim: 5) == []
+    session = tightfit.compile(model).session()
+    for rows in (1, 5, 33):
+        feeds = {"x": np.random.default_rng(rows).standard_normal((rows, 6)).astype("float32")}
+        for output, want in run_onnxruntime(model, feeds).items():
+            np.testing.assert_allclose(session.run(feeds)[output], want, rtol=1e-5, atol=1e-6)
+    transformer = _lowered(zoo.get("transformer_encoder").build())
+    assert len(kernel_sequences(transformer)) == 1
+    assert all(not isinstance(binding.value, (relax.Tuple, relax.TupleGetItem))
+               for block in transformer["main"].body.blocks for binding in block.bindings)
+
+
 def test_one_kernel_alone_is_left_to_the_vm():
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
