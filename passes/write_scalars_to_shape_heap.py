@@ -32,6 +32,9 @@ from .launch_kernel_sequences import with_own_vars
 
 # VMShapeLower's code for "store this dim into the heap slot that follows" (MatchShapeCode)
 STORE_TO_HEAP = 1
+# Marks the PrimFuncs this pass makes, which call a kernel and store its number: not kernels of
+# their own (the package report does not count them).
+HEAP_WRITER_ATTR = "tightfit.heap_writer"
 _SCALAR_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
@@ -220,7 +223,8 @@ class _Rewriting:
             tirx.Evaluate(tirx.call_cpacked(symbol, *arguments)),
             tirx.BufferStore(heap, tirx.Cast("int64", tirx.BufferLoad(workspace, [tirx.IntImm("int64", 0)])),
                              [tirx.IntImm("int64", scalar.heap_slot)])])
-        func = tirx.PrimFunc(params + [heap], body).with_attrs({"tirx.is_scheduled": True})
+        func = tirx.PrimFunc(params + [heap], body).with_attrs({"tirx.is_scheduled": True,
+                                                                 HEAP_WRITER_ATTR: True})
         func_var = self.builder.add_func(func, "write_scalar_to_heap")
         call = self.builder.normalize(relax.Call(func_var, passed + [self.heap]))
         return relax.VarBinding(relax.Var("_", call.ty), call)

@@ -17,6 +17,7 @@ from .frontend import import_onnx
 from .package import Package, SourceModel, load_package, read_manifest
 from .passes.launch_kernel_sequences import kernel_calls, kernel_sequences
 from .passes.share_symbolic_storage import STORAGE_BYTES_ATTR
+from .passes.write_scalars_to_shape_heap import HEAP_WRITER_ATTR
 from .pipeline import PipelineOptions, build_config, fresh_outputs, run_pipeline, split_weights
 from .target import resolve_target
 from .vm_code import build_executable
@@ -57,7 +58,9 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
         "import_seconds": round(import_seconds, 4),
         "compile_seconds": round(time.perf_counter() - started, 3),
         "passes": pass_times,
-        "kernels": sum(isinstance(f, tirx.PrimFunc) for f in lowered.functions.values()) - len(sequences),
+        # the kernels, not the sequences that call them nor the heap writers that call one
+        "kernels": sum(isinstance(f, tirx.PrimFunc) and HEAP_WRITER_ATTR not in (f.attrs or {})
+                       for f in lowered.functions.values()) - len(sequences),
         # the kernel calls of each sequence that runs from one TIR function
         "kernel_sequences": [kernel_calls(sequence) for sequence in sequences.values()],
         "weights": len(weights),

@@ -78,6 +78,19 @@ def test_an_if_on_data_branches_on_a_heap_slot_and_both_branches_match_onnxrunti
         np.testing.assert_allclose(session.run({"x": x})["y"], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_package_report_counts_kernels_not_heap_writers(monkeypatch):
+    """A heap writer calls a kernel and stores its number; the report's kernel count is what
+    it was without the pass (gated_skip_block's condition, nonzero_gather's count)."""
+    for name in ("gated_skip_block", "nonzero_gather"):
+        model = zoo.get(name).build()
+        with_writers = tightfit.compile(model).report["kernels"]
+        with monkeypatch.context() as patched:
+            patched.setattr(tightfit.pipeline, "WriteScalarsToShapeHeap",
+                            lambda: tvm.transform.Sequential([], name=WRITTEN))
+            without = tightfit.compile(model).report["kernels"]
+        assert with_writers == without, name
+
+
 def test_a_nonzero_count_is_stored_into_its_dim_slot_without_a_tensor_read_back():
     model = zoo.get("nonzero_gather").build()
     mod = _lowered(model)
