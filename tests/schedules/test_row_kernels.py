@@ -218,40 +218,59 @@ def test_narrow_rows_of_a_symbolic_width_are_one_masked_vector_where_masks_are_f
     assert "masked" not in avx2
 
 
-# An input whose last row ends where an unreadable page begins: a masked vector that loaded a
-# lane past the row's end would fault (numerically, a masked-out lane read changes nothing).
+# An input that ends where an unreadable page begins: a masked vector that loaded a lane past
+# the row's end would fault (numerically, a masked-out lane read changes nothing). Softmax: the
+# last row of x ends there; layer norm over a symbolic width: gamma, a row of its own, does.
 GUARD_PAGE_RUN = """
 import ctypes, mmap, sys
 import numpy as np
 from onnx import TensorProto, helper
 import tightfit
+from tightfit.feeds import run_onnxruntime
 
-width = int(sys.argv[1])
-graph = helper.make_graph(
-    [helper.make_node("Softmax", ["x"], ["y"], axis=-1)], "softmax",
-    [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "s"])],
-    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "s"])])
-session = tightfit.compile(helper.make_model(
-    graph, opset_imports=[helper.make_opsetid("", 17)])).session()
-page = mmap.PAGESIZE
-memory = mmap.mmap(-1, 2 * page)
-start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
-libc = ctypes.CDLL(None, use_errno=True)
-assert libc.mprotect(ctypes.c_void_p(start + page), page, 0) == 0  # PROT_NONE
-rows = 3
-x = np.frombuffer(memory, np.float32, rows * width, offset=page - rows * width * 4)
-x = x.reshape(rows, width)
-x[:] = np.random.default_rng(width).standard_normal((rows, width))
-y = session.run({"x": x})["y"]
-e = np.exp(x - x.max(axis=1, keepdims=True))
-np.testing.assert_allclose(y, e / e.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-7)
+op, width, rows = sys.argv[1], int(sys.argv[2]), 3
+inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "w"])]
+if op == "softmax":
+    node = helper.make_node("Softmax", ["x"], ["y"], axis=-1)
+else:
+    node = helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["y"], axis=-1)
+    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["w"])
+               for name in ("gamma", "beta")]
+model = helper.make_model(helper.make_graph(
+    [node], op, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "w"])]),
+    opset_imports=[helper.make_opsetid("", 17)])
+session = tightfit.compile(model).session()
+
+
+def ending_at_a_guard_page(count):
+    page = mmap.PAGESIZE
+    memory = mmap.mmap(-1, 2 * page)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(start + page), page, 0) == 0  # PROT_NONE
+    return np.frombuffer(memory, np.float32, count, offset=page - count * 4)
+
+
+rng = np.random.default_rng(width)
+if op == "softmax":
+    feeds = {"x": ending_at_a_guard_page(rows * width).reshape(rows, width)}
+else:
+    feeds = {"x": np.empty((rows, width), np.float32), "gamma": ending_at_a_guard_page(width),
+             "beta": np.empty(width, np.float32)}
+for array in feeds.values():
+    array[...] = rng.standard_normal(array.shape)
+np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                           rtol=1e-5, atol=1e-5)
 """
 
 
-@pytest.mark.parametrize("width", [1, 5, 16])
-def test_narrow_rows_read_nothing_past_the_input(width):
-    """Softmax over rows of `width` that end at an unreadable page, read in place (the session
-    views the input), run in a process of its own so that a fault fails only this test."""
-    run = subprocess.run([sys.executable, "-c", GUARD_PAGE_RUN, str(width)],
+@pytest.mark.parametrize("op, width", [("softmax", 1), ("softmax", 5), ("softmax", 16),
+                                       ("layer_norm", 5), ("layer_norm", 17)])
+def test_narrow_rows_read_nothing_past_the_input(op, width):
+    """Rows of a symbolic `width` whose input ends at an unreadable page, read in place (the
+    session views its inputs), match onnxruntime; each case runs in a process of its own so
+    that a fault fails only this test. At width 5 (one masked vector on AVX-512) the rows, and
+    a layer norm's gamma, are read masked; at 17 whole vectors end at the row's end."""
+    run = subprocess.run([sys.executable, "-c", GUARD_PAGE_RUN, op, str(width)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
