@@ -17,13 +17,16 @@ out one after another in one arena, at offsets that are expressions of the symbo
 sequence takes its arena from TVM's workspace pool as it starts and gives it back as it ends
 (TVMBackendAllocWorkspace: a pool per thread, no lock, 64-byte aligned), and the VM calls it
 once. The arena is at least 1 KiB, the size from which TVM's lowering never makes it a stack
-array: LLVM inlines the kernels into the sequence and stores their 16-lane vectors into the
-arena with instructions that need 64-byte alignment, which the stack array TVM 0.27 made of a
-512-byte arena did not have (the function does not realign the stack), so a run crashed or
-not depending on where the stack sat. (Kernels now assume only element alignment of their
+array: the kernels, which then assumed 64-byte aligned arguments, stored their 16-lane vectors
+into the arena with instructions that need that alignment, which the stack array TVM 0.27 made
+of a 512-byte arena did not have (the function does not realign the stack), so a run crashed
+or not depending on where the stack sat. (Kernels now assume only element alignment of their
 arguments, kernel_lowering.py; the minimum stays so that every slot starts on a cache line,
-and a kernel's vector loads from a slot's start do not split across two.) A tensor the rest of the function sees (an output, a
-value after the sequence or in a branch) keeps its Relax allocation and is passed in.
+and a kernel's vector loads from a slot's start do not split across two.) The sequence calls
+each kernel's function; LLVM does not inline them (transformer_encoder_dynamo,
+nonzero_gather, mobilenet_v2_style: a call per kernel in the sequence's code). A tensor the
+rest of the function sees (an output, a value after the sequence or in a branch) keeps its
+Relax allocation and is passed in.
 
 The arena was first a VM allocation, passed in: a storage and a tensor object a run, 0.25 us
 in TVM 0.27's VM (a storage alone 0.11 us, a tensor alone 0.14 us; a kernel call 5 ns).
