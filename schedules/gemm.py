@@ -85,7 +85,11 @@ def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, r
 
 
 def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
-                      lanes: int, reduction_unroll: int = 1) -> te.Tensor:
+                      lanes: int, reduction_unroll: int = 1,
+                      out_axes: tuple[int, ...] | None = None) -> te.Tensor:
+    """`out_axes`: the product's axes in the order the result holds them, the columns last
+    (a permute_dims after the product, done by the write-back: attention's head merge
+    [b, h, s, d] -> [b, s, h, d]); None keeps them in order."""
     *batch, row_extent, reduction = lhs.shape
     columns = rhs.shape[-1]
     panel_width = vectors * lanes
@@ -107,25 +111,32 @@ def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
                       axis=k)
 
     return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, columns, MATMUL,
-                          rows, vectors, reduction_unroll)
+                          rows, vectors, reduction_unroll, out_axes=out_axes)
 
 
 def _tiles_and_out(tile_value, batch, row_extent, padded_columns, columns, kind: str, rows: int,
                    vectors: int, reduction_unroll: int, annotations: dict | None = None,
-                   lead_inside: int = 0) -> te.Tensor:
+                   lead_inside: int = 0, out_axes: tuple[int, ...] | None = None) -> te.Tensor:
     """The tiles over (*batch, rows, columns), and the result read from them: in the same
-    order, or with the first `lead_inside` batch axes moved between the rows and the
-    columns."""
+    order, with the first `lead_inside` batch axes moved between the rows and the columns,
+    or with the axes in the order `out_axes` gives (the columns last)."""
     lead, outer = batch[:lead_inside], batch[lead_inside:]
+    order = list(out_axes) if out_axes is not None else [
+        *range(lead_inside, len(batch)), len(batch), *range(lead_inside), len(batch) + 1]
+    assert order[-1] == len(batch) + 1 and sorted(order) == list(range(len(batch) + 2))
     tiles = te.compute((*batch, tile_domain(row_extent, rows), padded_columns), tile_value,
                        name=f"{kind}_tiles",
                        attrs={KERNEL_ANNOTATION: kind, ROWS_ANNOTATION: rows,
                               VECTORS_ANNOTATION: vectors,
                               REDUCTION_UNROLL_ANNOTATION: reduction_unroll,
-                              OUTPUT_ROW_AXIS_ANNOTATION: len(outer), **(annotations or {})})
+                              OUTPUT_ROW_AXIS_ANNOTATION: order.index(len(batch)),
+                              **(annotations or {})})
+    extents = [*batch, row_extent, columns]
 
     def out_value(*index):
-        b, m, p, o = (index[:len(outer)], index[len(outer)], index[len(outer) + 1:-1], index[-1])
-        return tiles[(*p, *b, m, o)]
+        tile_index = [None] * len(order)
+        for position, axis in enumerate(order):
+            tile_index[axis] = index[position]
+        return tiles[tuple(tile_index)]
 
-    return te.compute((*outer, row_extent, *lead, columns), out_value, name=f"{kind}_out")
+    return te.compute([extents[axis] for axis in order], out_value, name=f"{kind}_out")

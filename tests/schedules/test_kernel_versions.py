@@ -209,10 +209,50 @@ def test_attention_scores_over_a_symbolic_sequence_match_onnxruntime(knob_databa
     assert f'"tightfit.vectors": {SYMBOLIC_COLUMNS // lanes}' in kernel
     assert "masked_load" in kernel and "if_then_else" not in kernel
     assert "masked_store" in kernel
-    assert re.search(r"\n\s*T_divide_intermediate\[[^\n]*\] = matmul_packed_rhs_out_row\[", kernel)
+    # (the division by the constant 2 is a multiplication by 0.5: UseFastMath)
+    assert re.search(r"\n\s*T_multiply_intermediate\[[^\n]*\] = matmul_packed_rhs_out_row\[", kernel)
     extents = sorted(set(range(1, 4 * lanes + 2)) | set(register_tile_edges(host_rows(lanes))))
     assert_matches_onnxruntime(model, "matmul_packed_rhs", knob_database,
                                lambda s: {"q": _normal(2, s, 8), "k": _normal(2, 8, s)}, extents)
+
+
+def head_merge_model(perm: list[int], extra_use: bool = False) -> onnx.ModelProto:
+    """p[2, 3, s, s] @ v[2, 3, s, 8], then Transpose(perm): attention's weighted values, their
+    heads merged (perm [0, 2, 1, 3]). `extra_use`: the product is an output of its own too."""
+    nodes = [helper.make_node("MatMul", ["p", "v"], ["o"]),
+             helper.make_node("Transpose", ["o"], ["y"], perm=perm)]
+    product = [2, 3, "s", 8]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [product[a] for a in perm])]
+    if extra_use:
+        outputs.append(helper.make_tensor_value_info("o", TensorProto.FLOAT, product))
+    return _model("head_merge", nodes,
+                  [helper.make_tensor_value_info("p", TensorProto.FLOAT, [2, 3, "s", "s"]),
+                   helper.make_tensor_value_info("v", TensorProto.FLOAT, [2, 3, "s", 8])],
+                  outputs, [])
+
+
+@pytest.mark.parametrize("perm, folded", [([0, 2, 1, 3], True), ([2, 0, 1, 3], True),
+                                          ([0, 1, 3, 2], False)],
+                         ids=["head-merge", "sequence-first", "last-axis-moved"])
+@pytest.mark.parametrize("extra_use", [False, True], ids=["one-use", "product-also-output"])
+def test_a_transpose_after_a_matmul_is_done_by_its_write_back(knob_database, perm, folded,
+                                                              extra_use):
+    """A Transpose of a run-time matmul's product that keeps the columns last is the kernel's
+    write-back storing its rows in the transposed order (SelectGemmKernel): no transpose kernel
+    remains. Not where the Transpose moves the columns, or the product has another use. Every
+    sequence length across the row buckets' edges matches onnxruntime either way."""
+    model = head_merge_model(perm, extra_use)
+    options = PipelineOptions(knob_database=knob_database)
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    kernels = [gv.name_hint for gv, func in scheduled.functions.items()
+               if isinstance(func, tvm.tirx.PrimFunc)]
+    assert any("matmul_packed_rhs" in name for name in kernels), kernels
+    assert any("transpose" in name for name in kernels) != (folded and not extra_use), kernels
+    extents = sorted(set(range(1, 6)) | set(register_tile_edges(host_rows(8))))
+    assert_matches_onnxruntime(model, "matmul_packed_rhs", knob_database,
+                               lambda s: {"p": _normal(2, 3, s, s), "v": _normal(2, 3, s, 8)},
+                               extents)
 
 
 def _unrolled_loops_run_at(func: tvm.tirx.PrimFunc, extent: int) -> list[int]:
