@@ -86,19 +86,23 @@ def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, r
 
 def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
                       lanes: int, reduction_unroll: int = 1,
-                      out_axes: tuple[int, ...] | None = None) -> te.Tensor:
+                      out_axes: tuple[int, ...] | None = None,
+                      rhs_transposed: bool = False) -> te.Tensor:
     """`out_axes`: the product's axes in the order the result holds them, the columns last
     (a permute_dims after the product, done by the write-back: attention's head merge
-    [b, h, s, d] -> [b, s, h, d]); None keeps them in order."""
+    [b, h, s, d] -> [b, s, h, d]); None keeps them in order. `rhs_transposed`: `rhs` is
+    B^T [*batch, N, K] (attention's keys, before the transpose the packing then does)."""
     *batch, row_extent, reduction = lhs.shape
-    columns = rhs.shape[-1]
+    columns = rhs.shape[-2] if rhs_transposed else rhs.shape[-1]
     panel_width = vectors * lanes
     panels = (columns + panel_width - 1) // panel_width
 
     def packed(*index):
         *b, panel, r, lane = index
         n = panel * panel_width + lane
-        return tirx.if_then_else(n < columns, rhs[(*b, r, tirx.min(n, columns - 1))],
+        column = tirx.min(n, columns - 1)
+        return tirx.if_then_else(n < columns,
+                                 rhs[(*b, column, r) if rhs_transposed else (*b, r, column)],
                                  tirx.const(0, rhs.dtype))
 
     rhs_panels = te.compute((*batch, panels, reduction, panel_width), packed,

@@ -216,6 +216,35 @@ def test_attention_scores_over_a_symbolic_sequence_match_onnxruntime(knob_databa
                                lambda s: {"q": _normal(2, s, 8), "k": _normal(2, 8, s)}, extents)
 
 
+def keys_transposed_model() -> onnx.ModelProto:
+    """q[2, s, 8] @ Transpose(k[2, s, 8]) / 2: attention's scores over keys as they come."""
+    return _model("keys_transposed",
+                  [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+                   helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+                   helper.make_node("Div", ["scores", "two"], ["y"])],
+                  [helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, "s", 8]),
+                   helper.make_tensor_value_info("k", TensorProto.FLOAT, [2, "s", 8])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "s", "s"])],
+                  [numpy_helper.from_array(np.array(2, np.float32), "two")])
+
+
+def test_transposed_keys_are_packed_from_their_own_layout(knob_database):
+    """matmul(q, permute_dims(k)) with the last two axes swapped packs k's rows into the
+    kernel's panels itself (SelectGemmKernel): no transpose kernel remains, and every sequence
+    across two panels and the row buckets' edges matches onnxruntime."""
+    model = keys_transposed_model()
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
+                                PipelineOptions(knob_database=knob_database),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    kernels = [gv.name_hint for gv, func in scheduled.functions.items()
+               if isinstance(func, tvm.tirx.PrimFunc)]
+    assert not any("transpose" in name for name in kernels), kernels
+    lanes = isa_for_target(resolve_target("host").tvm_target).lanes
+    extents = sorted(set(range(1, 2 * lanes + 2)) | set(register_tile_edges(host_rows(lanes))))
+    assert_matches_onnxruntime(model, "matmul_packed_rhs", knob_database,
+                               lambda s: {"q": _normal(2, s, 8), "k": _normal(2, s, 8)}, extents)
+
+
 def head_merge_model(perm: list[int], extra_use: bool = False) -> onnx.ModelProto:
     """p[2, 3, s, s] @ v[2, 3, s, 8], then Transpose(perm): attention's weighted values, their
     heads merged (perm [0, 2, 1, 3]). `extra_use`: the product is an output of its own too."""
