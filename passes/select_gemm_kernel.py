@@ -75,10 +75,9 @@ class _MatmulRewriter(relax.PyExprMutator):
         static_columns = int(columns) if isinstance(columns, tirx.IntImm) else SYMBOLIC_COLUMNS
         knobs = (self.database.tile_knobs(kind, static_columns, rows, self.isa)
                  or default_tile_knobs(self.isa, static_columns, rows))
-        lhs, rhs = (self.visit_expr(arg) for arg in value.args)
         transposed = self.transposed_rhs.get(value.args[1]) if kind == gemm.MATMUL else None
-        if transposed is not None:
-            rhs = self.visit_expr(transposed)
+        lhs = self.visit_expr(value.args[0])
+        rhs = self.visit_expr(value.args[1] if transposed is None else transposed)
         record = {"tightfit.algorithm": kind}
         if kind == gemm.DENSE:
             packed = emit_weight_transform(self.builder_, gemm.pack_dense_weight, [rhs],
@@ -141,12 +140,8 @@ def _permutes_of_single_use(func: relax.Function) -> dict[relax.Var, _Permute]:
             if not isinstance(var, relax.DataflowVar) or len(users) != 1:
                 continue
             value = bindings.get(users[0])
-            if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
-                    and value.op.name == "relax.permute_dims" and value.args[0].same_as(var)
-                    and value.attrs.axes is not None):
-                continue
-            axes = tuple(int(axis) % len(value.attrs.axes) for axis in value.attrs.axes)
-            if axes[-1] == len(axes) - 1:
+            axes = _permute_axes(value)
+            if axes is not None and value.args[0].same_as(var) and axes[-1] == len(axes) - 1:
                 permutes[var] = _Permute(users[0], axes)
     return permutes
 
@@ -155,14 +150,21 @@ def _last_two_axes_swapped(func: relax.Function) -> dict[relax.Var, relax.Expr]:
     """var bound to permute_dims(x) swapping x's last two axes -> x."""
     swapped = {}
     for var, value in relax.analysis.get_var2val(func).items():
-        if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
-                and value.op.name == "relax.permute_dims" and value.attrs.axes is not None):
-            continue
-        rank = len(value.attrs.axes)
-        axes = [int(axis) % rank for axis in value.attrs.axes]
-        if rank >= 2 and axes == [*range(rank - 2), rank - 1, rank - 2]:
+        axes = _permute_axes(value)
+        if axes is not None and len(axes) >= 2 and axes == (*range(len(axes) - 2),
+                                                              len(axes) - 1, len(axes) - 2):
             swapped[var] = value.args[0]
     return swapped
+
+
+def _permute_axes(value) -> tuple[int, ...] | None:
+    """The axes of a permute_dims call (negative ones counted from the end), else None (also
+    for permute_dims without axes, which reverses them)."""
+    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+            and value.op.name == "relax.permute_dims" and value.attrs.axes is not None):
+        return None
+    rank = len(value.attrs.axes)
+    return tuple(int(axis) % rank for axis in value.attrs.axes)
 
 
 def _is_fp32_matmul(value) -> bool:

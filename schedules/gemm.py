@@ -81,7 +81,8 @@ def dense_packed(data: te.Tensor, packed_weight: te.Tensor, out_features: int, r
     return _tiles_and_out(tile_value, batch, row_extent, panels * panel_width, out_features,
                           DENSE, rows, vectors, reduction_unroll,
                           {WEIGHT_BYTES_ANNOTATION: weight_bytes(packed_weight, 3)},
-                          lead_inside=lead_count if points_inside else 0)
+                          out_axes=_lead_between_rows_and_columns(len(batch), lead_count)
+                          if points_inside else None)
 
 
 def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
@@ -118,15 +119,17 @@ def matmul_packed_rhs(lhs: te.Tensor, rhs: te.Tensor, rows: int, vectors: int,
                           rows, vectors, reduction_unroll, out_axes=out_axes)
 
 
+def _lead_between_rows_and_columns(batch_axes: int, lead: int) -> list[int]:
+    """The out_axes that move the first `lead` batch axes between the rows and the columns."""
+    return [*range(lead, batch_axes), batch_axes, *range(lead), batch_axes + 1]
+
+
 def _tiles_and_out(tile_value, batch, row_extent, padded_columns, columns, kind: str, rows: int,
                    vectors: int, reduction_unroll: int, annotations: dict | None = None,
-                   lead_inside: int = 0, out_axes: tuple[int, ...] | None = None) -> te.Tensor:
+                   out_axes: tuple[int, ...] | None = None) -> te.Tensor:
     """The tiles over (*batch, rows, columns), and the result read from them: in the same
-    order, with the first `lead_inside` batch axes moved between the rows and the columns,
-    or with the axes in the order `out_axes` gives (the columns last)."""
-    lead, outer = batch[:lead_inside], batch[lead_inside:]
-    order = list(out_axes) if out_axes is not None else [
-        *range(lead_inside, len(batch)), len(batch), *range(lead_inside), len(batch) + 1]
+    order, or with the axes in the order `out_axes` gives (the columns last)."""
+    order = list(out_axes) if out_axes is not None else list(range(len(batch) + 2))
     assert order[-1] == len(batch) + 1 and sorted(order) == list(range(len(batch) + 2))
     tiles = te.compute((*batch, tile_domain(row_extent, rows), padded_columns), tile_value,
                        name=f"{kind}_tiles",
