@@ -6,6 +6,7 @@ from .classify_dynamism import ClassifyDynamism
 from .fold_batch_norm import FoldBatchNorm
 from .fold_constant_calls import FoldConstantCalls
 from .fold_constants_on_host import FoldConstantsOnHost
+from .fuse_attention import FuseAttention
 from .inline_branch_functions import InlineBranchFunctions
 from .keep_reshapes_as_views import KeepReshapesAsViews, legalize_views
 from .launch_kernel_sequences import LaunchKernelSequences
@@ -29,6 +30,7 @@ __all__ = [
     "FoldBatchNorm",
     "FoldConstantCalls",
     "FoldConstantsOnHost",
+    "FuseAttention",
     "InlineBranchFunctions",
     "KeepReshapesAsViews",
     "LaunchKernelSequences",

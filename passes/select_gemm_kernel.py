@@ -30,8 +30,6 @@ broadcasting batch matmul keeps TVM's legalization); fp32 only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import tvm
 from tvm import relax, tirx
 
@@ -40,6 +38,7 @@ from ..schedules.isa import isa_for_target
 from ..schedules.kernel_call import WeightOnly, emit_kernel, emit_weight_transform
 from ..schedules.knob_database import KnobDatabase
 from ..schedules.register_tile import SYMBOLIC_COLUMNS, default_tile_knobs
+from .permute_patterns import last_two_axes_swapped, permutes_of_single_use
 
 
 @relax.expr_functor.mutator
@@ -49,8 +48,8 @@ class _MatmulRewriter(relax.PyExprMutator):
         self.weight_only = WeightOnly(func)
         self.isa = isa
         self.database = database
-        self.permutes = _permutes_of_single_use(func)
-        self.transposed_rhs = _last_two_axes_swapped(func)
+        self.permutes = permutes_of_single_use(func)
+        self.transposed_rhs = last_two_axes_swapped(func)
         # a permute_dims that a matmul kernel's write-back does -> that kernel's result
         self.done_by_write_back: dict[relax.Var, relax.Var] = {}
 
@@ -120,51 +119,6 @@ class SelectGemmKernel:
             mod = rewriter.builder_.get()
             mod[global_var] = relax.analysis.remove_all_unused(new_func)
         return mod
-
-
-@dataclass(frozen=True)
-class _Permute:
-    var: relax.Var  # the permuted result
-    axes: tuple[int, ...]
-
-
-def _permutes_of_single_use(func: relax.Function) -> dict[relax.Var, _Permute]:
-    """dataflow var -> the permute_dims that is its only use, where that permute keeps the last
-    axis last (a matmul kernel's write-back can then store its rows in the permuted order)."""
-    bindings = relax.analysis.get_var2val(func)
-    permutes = {}
-    for block in func.body.blocks:
-        if not isinstance(block, relax.DataflowBlock):
-            continue
-        for var, users in relax.analysis.udchain(block).items():
-            if not isinstance(var, relax.DataflowVar) or len(users) != 1:
-                continue
-            value = bindings.get(users[0])
-            axes = _permute_axes(value)
-            if axes is not None and value.args[0].same_as(var) and axes[-1] == len(axes) - 1:
-                permutes[var] = _Permute(users[0], axes)
-    return permutes
-
-
-def _last_two_axes_swapped(func: relax.Function) -> dict[relax.Var, relax.Expr]:
-    """var bound to permute_dims(x) swapping x's last two axes -> x."""
-    swapped = {}
-    for var, value in relax.analysis.get_var2val(func).items():
-        axes = _permute_axes(value)
-        if axes is not None and len(axes) >= 2 and axes == (*range(len(axes) - 2),
-                                                              len(axes) - 1, len(axes) - 2):
-            swapped[var] = value.args[0]
-    return swapped
-
-
-def _permute_axes(value) -> tuple[int, ...] | None:
-    """The axes of a permute_dims call (negative ones counted from the end), else None (also
-    for permute_dims without axes, which reverses them)."""
-    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
-            and value.op.name == "relax.permute_dims" and value.attrs.axes is not None):
-        return None
-    rank = len(value.attrs.axes)
-    return tuple(int(axis) % rank for axis in value.attrs.axes)
 
 
 def _is_fp32_matmul(value) -> bool:

@@ -8,7 +8,8 @@ write-back, schedules each shape bucket of dispatch.py, and joins the versions w
 the run-time extent. Each row version comes serial and parallel where the kernel's work may
 fall below the parallel threshold (dispatch.parallel_buckets). Winograd's transform kernels
 have no register tiles, so only those two versions (winograd.py). A last-axis softmax or layer
-norm gets the row kernel of row_kernels.py, a max pool the vector kernel of pool_kernels.py.
+norm gets the row kernel of row_kernels.py, a max pool the vector kernel of pool_kernels.py, an
+attention that FuseAttention marked the kernel of attention.py.
 PrimFuncs without a kernel block are left to the fallback schedule.
 """
 
@@ -18,6 +19,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from . import conv2d, direct_depthwise, gemm, winograd
+from .attention import schedule_attention
 from .dispatch import (
     DEFAULT_MIN_PARALLEL_WORK,
     combine,
@@ -71,6 +73,7 @@ class ScheduleKernels:
         for global_var, func in list(mod.functions.items()):
             if isinstance(func, tirx.PrimFunc) and not is_scheduled(func):
                 scheduled = (schedule_kernel_func(func, isa, min_parallel_work)
+                             or schedule_attention(func, isa, min_parallel_work)
                              or schedule_row_kernel(func, isa, min_parallel_work)
                              or schedule_max_pool(func, isa, min_parallel_work))
                 if scheduled is not None:

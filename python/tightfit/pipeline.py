@@ -25,6 +25,7 @@ from .passes import (
     FoldBatchNorm,
     FoldConstantCalls,
     FoldConstantsOnHost,
+    FuseAttention,
     InlineBranchFunctions,
     KeepReshapesAsViews,
     LaunchKernelSequences,
@@ -86,9 +87,11 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         RankDimensionPropagation(),
         # an elementwise op whose shape RDP could not resolve is broadcast at run time
         BroadcastAtRunTime(),
-        # 2. kernels and weights: each conv's algorithm and each GEMM's packing chosen by cost
-        #    (MNN pre-inference), then every weight transform computed once, offline (FlexNN)
-        *([SelectConvAlgorithm(options.knob_database, algorithms=options.conv_algorithms),
+        # 2. kernels and weights: attention as one kernel (SoD2 §4.2), each conv's algorithm and
+        #    each GEMM's packing chosen by cost (MNN pre-inference), then every weight transform
+        #    computed once, offline (FlexNN)
+        *([FuseAttention(),
+           SelectConvAlgorithm(options.knob_database, algorithms=options.conv_algorithms),
            SelectGemmKernel(options.knob_database)]
           if options.fast_kernels else []),
         *([UseFastMath()] if options.fast_math else []),

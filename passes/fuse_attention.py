@@ -1,0 +1,176 @@
+"""Replace each attention (softmax(Q K^T x scale) V) with tightfit's attention kernel.
+
+SoD2 §4.2 (fusion over symbolic shapes: the scores' rows, their softmax and the weighted sum
+all run over the same symbolic sequence length, which RDP resolves) and DESIGN.md step 6 (the
+kernels of the hot ops). The chain matched, every intermediate used only by the next op:
+  scores = matmul(Q, K^T)                [*batch, queries, depth] x [*batch, depth, keys]
+  scores = multiply(scores, s) or divide(scores, s)        optional; s a 0-d float32 tensor
+  probabilities = softmax(scores, axis=-1)
+  out = matmul(probabilities, V)         V [*batch, keys, values]
+and, where it is out's only use and keeps the columns last, a permute_dims of out (attention's
+head merge), which the kernel's stores do. A K^T that is permute_dims(K) swapping K's last two
+axes is read from K. The kernel (schedules/attention.py) never writes the scores out; it is
+emitted as its TE definition, marked, and ScheduleKernels gives it its body.
+
+VM time, medians of alternating turns (Zen 4, 2 threads), the three kernels -> one: see the
+commit that added this pass.
+Limits: fp32; the batch axes of Q, K and V equal (no broadcasting); static head widths; a mask
+or any other op between the matmuls keeps the three kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax, tirx
+
+from ..schedules.attention import ATTENTION_ATTR, DIVIDE, MULTIPLY, attention
+from ..schedules.kernel_call import emit_kernel
+from .permute_patterns import last_two_axes_swapped, permutes_of_single_use
+
+# FuseOps fuses nothing into an opaque kernel: an epilogue fused in would leave the marked
+# PrimFunc's blocks different from the definition the kernel replaces
+OPAQUE = 8
+
+
+@dataclass(frozen=True)
+class _Attention:
+    queries: relax.Expr
+    keys: relax.Expr  # K^T [*batch, depth, keys]
+    values: relax.Expr
+    scale: relax.Expr | None
+    scale_op: str | None
+
+
+@relax.expr_functor.mutator
+class _AttentionRewriter(relax.PyExprMutator):
+    def __init__(self, mod, func):
+        super().__init__(mod)
+        self.attentions = _attentions(func)
+        self.permutes = permutes_of_single_use(func)
+        self.transposed_keys = last_two_axes_swapped(func)
+        # a permute_dims that the kernel's stores do -> the kernel's result
+        self.done_by_stores: dict[relax.Var, relax.Var] = {}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var in self.done_by_stores:
+            self.set_var_remap(binding.var, self.done_by_stores[binding.var])
+            return
+        found = self.attentions.get(binding.var)
+        if found is None:
+            super().visit_var_binding_(binding)
+            return
+        keys = self.transposed_keys.get(found.keys)
+        permute = self.permutes.get(binding.var)
+        args = [self.visit_expr(found.queries),
+                self.visit_expr(found.keys if keys is None else keys),
+                self.visit_expr(found.values),
+                *([self.visit_expr(found.scale)] if found.scale is not None else [])]
+        options = {"keys_in_rows": keys is not None, "scale": found.scale_op or "",
+                   "out_axes": list(permute.axes) if permute else []}
+        new_var = emit_kernel(self.builder_, attention, args, "attention",
+                              {ATTENTION_ATTR: options, "op_pattern": OPAQUE},
+                              (permute.var if permute else binding.var).name, plain_dims=True,
+                              keys_in_rows=keys is not None, scale_op=found.scale_op,
+                              out_axes=permute.axes if permute else None)
+        if permute:
+            self.done_by_stores[permute.var] = new_var
+            return
+        self.set_var_remap(binding.var, new_var)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tightfit.FuseAttention")
+class FuseAttention:
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        for global_var, func in list(mod.functions.items()):
+            if not isinstance(func, relax.Function) or not _attentions(func):
+                continue
+            rewriter = _AttentionRewriter(mod, func)
+            new_func = rewriter.visit_expr(func)
+            mod = rewriter.builder_.get()
+            mod[global_var] = relax.analysis.remove_all_unused(new_func)
+        return mod
+
+
+def _attentions(func: relax.Function) -> dict[relax.Var, _Attention]:
+    """The weighted sum's var of each attention chain (module docstring) -> its operands."""
+    bindings = relax.analysis.get_var2val(func)
+    users = {var: var_users for block in func.body.blocks
+             if isinstance(block, relax.DataflowBlock)
+             for var, var_users in relax.analysis.udchain(block).items()}
+
+    def only_user(var):
+        """The binding var of `var`'s only use, if it has one and is a dataflow var."""
+        found = users.get(var, [])
+        return found[0] if isinstance(var, relax.DataflowVar) and len(found) == 1 else None
+
+    attentions = {}
+    for probabilities, value in bindings.items():
+        if not (_is_call(value, "relax.nn.softmax") and _is_fp32(value.args[0])
+                and int(value.attrs.axis) % len(value.args[0].ty.shape.values)
+                == len(value.args[0].ty.shape.values) - 1):
+            continue
+        scores, scale, scale_op = _unscaled(value.args[0], bindings)
+        chain = [scores, value.args[0], probabilities] if scale is not None \
+            else [scores, probabilities]
+        if not all(_same(only_user(var), user) for var, user in zip(chain, chain[1:])):
+            continue
+        product = bindings.get(scores)
+        out = only_user(probabilities)
+        weighted = bindings.get(out) if out is not None else None
+        if not (_is_call(product, "relax.matmul") and _is_call(weighted, "relax.matmul")
+                and weighted.args[0].same_as(probabilities)):
+            continue
+        queries, keys = product.args
+        if _shapes_fit(queries, keys, weighted.args[1]):
+            attentions[out] = _Attention(queries, keys, weighted.args[1], scale, scale_op)
+    return attentions
+
+
+def _unscaled(scores: relax.Expr, bindings) -> tuple[relax.Expr, relax.Expr | None, str | None]:
+    """(the scores before a multiply or divide by a 0-d float32 tensor, that tensor, the op),
+    or (`scores`, None, None) where they are not scaled so."""
+    value = bindings.get(scores)
+    if _is_call(value, "relax.multiply"):
+        for scaled, scale in (value.args, reversed(value.args)):
+            if _is_scalar(scale) and _is_fp32(scaled):
+                return scaled, scale, MULTIPLY
+    if _is_call(value, "relax.divide") and _is_scalar(value.args[1]) and _is_fp32(value.args[0]):
+        return value.args[0], value.args[1], DIVIDE
+    return scores, None, None
+
+
+def _shapes_fit(queries, keys, values) -> bool:
+    """Q [*batch, queries, depth], K^T [*batch, depth, keys], V [*batch, keys, values], all
+    float32, with equal batch axes and static depth and values."""
+    if not all(_is_fp32(operand) for operand in (queries, keys, values)):
+        return False
+    q_shape, k_shape, v_shape = (operand.ty.shape.values for operand in (queries, keys, values))
+    if not len(q_shape) == len(k_shape) == len(v_shape) >= 2:
+        return False
+    analyzer = tvm.sym.Analyzer()
+    equal = [(a, b) for a, b, c in zip(q_shape[:-2], k_shape[:-2], v_shape[:-2])
+             for a, b in ((a, b), (a, c))]
+    equal += [(q_shape[-1], k_shape[-2]), (k_shape[-1], v_shape[-2])]
+    return (all(analyzer.can_prove_equal(a, b) for a, b in equal)
+            and all(isinstance(dim, tirx.IntImm) for dim in (q_shape[-1], v_shape[-1])))
+
+
+def _same(var, other) -> bool:
+    return var is not None and var.same_as(other)
+
+
+def _is_call(value, op_name: str) -> bool:
+    return (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+            and value.op.name == op_name)
+
+
+def _is_fp32(expr) -> bool:
+    ty = expr.ty
+    return (isinstance(ty, relax.TensorType) and ty.dtype == "float32" and ty.shape is not None
+            and isinstance(ty.shape, relax.ShapeExpr))
+
+
+def _is_scalar(expr) -> bool:
+    return _is_fp32(expr) and len(expr.ty.shape.values) == 0

@@ -1,0 +1,158 @@
+"""softmax(Q K^T x scale) V as one kernel (passes/fuse_attention.py, schedules/attention.py)
+matches onnxruntime in every version: serial and parallel (the knob databases), whole and partial
+query tiles, every query and key count up to two tiles and one more, keys as K or K^T, scaled
+or not, the head merge done by its stores or not, V's columns in one chunk or several."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+import tightfit
+from tightfit.feeds import run_onnxruntime
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.schedules.attention import value_chunks
+from tightfit.schedules.isa import isa_for_target
+from tightfit.target import resolve_target
+
+LANES = isa_for_target(resolve_target("host").tvm_target).lanes
+
+
+def attention_model(batch=(2, 3), depth=8, values=8, keys_as_rows=True, scale="Div",
+                    perm=None, output_probabilities=False) -> onnx.ModelProto:
+    """softmax(q k^T (scale) c) v over [*batch, queries, depth] queries and [*batch, keys, ...]
+    keys and values: k given as K (transposed in the graph) or as K^T; c a constant, or a
+    run-time input for scale "DivInput"; the result transposed by `perm`;
+    `output_probabilities`: the softmax is an output of its own too (nothing fuses)."""
+    b = list(batch)
+    axes = list(range(len(b)))
+    nodes, inputs, initializers = [], [], []
+    inputs.append(helper.make_tensor_value_info("q", TensorProto.FLOAT, b + ["queries", depth]))
+    if keys_as_rows:
+        inputs.append(helper.make_tensor_value_info("k", TensorProto.FLOAT, b + ["keys", depth]))
+        nodes.append(helper.make_node("Transpose", ["k"], ["kt"], perm=axes + [len(b) + 1, len(b)]))
+    else:
+        inputs.append(helper.make_tensor_value_info("kt", TensorProto.FLOAT, b + [depth, "keys"]))
+    inputs.append(helper.make_tensor_value_info("v", TensorProto.FLOAT, b + ["keys", values]))
+    nodes.append(helper.make_node("MatMul", ["q", "kt"], ["scores"]))
+    scores = "scores"
+    if scale is not None:
+        if scale == "DivInput":
+            inputs.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, []))
+        else:
+            initializers.append(numpy_helper.from_array(np.array(0.35, np.float32), "c"))
+        op = "Mul" if scale == "Mul" else "Div"
+        nodes.append(helper.make_node(op, ["scores", "c"], ["scaled"]))
+        scores = "scaled"
+    nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=-1))
+    nodes.append(helper.make_node("MatMul", ["p", "v"], ["o" if perm else "y"]))
+    out_shape = b + ["queries", values]
+    if perm:
+        nodes.append(helper.make_node("Transpose", ["o"], ["y"], perm=perm))
+        out_shape = [out_shape[axis] for axis in perm]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)]
+    if output_probabilities:
+        outputs.append(helper.make_tensor_value_info("p", TensorProto.FLOAT,
+                                                     b + ["queries", "keys"]))
+    graph = helper.make_graph(nodes, "attention", inputs, outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def feeds_for(model: onnx.ModelProto, queries: int, keys: int, seed: int = 0) -> dict:
+    """Random inputs of `model` at `queries` queries and `keys` keys; a run-time scale of 0.4."""
+    rng = np.random.default_rng(seed)
+    sizes = {"queries": queries, "keys": keys}
+    feeds = {}
+    for value_info in model.graph.input:
+        shape = [sizes.get(dim.dim_param, dim.dim_value) for dim in value_info.type.tensor_type.shape.dim]
+        feeds[value_info.name] = (rng.standard_normal(shape) * 1.5).astype(np.float32)
+    if "c" in feeds:
+        feeds["c"] = np.array(0.4, np.float32)
+    return feeds
+
+
+def kernel_names(model: onnx.ModelProto, options: PipelineOptions) -> list[str]:
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                                stop_after="tightfit.FallbackCPUSchedule")
+    return [global_var.name_hint for global_var, func in scheduled.functions.items()
+            if not global_var.name_hint == "main"]
+
+
+def assert_matches(model, session, queries: int, keys: int) -> None:
+    feeds = feeds_for(model, queries, keys, seed=queries * 100 + keys)
+    expected = run_onnxruntime(model, feeds)
+    ours = session.run(feeds)
+    for name, value in expected.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{name} at {queries} queries, {keys} keys")
+
+
+CASES = {
+    "head-merge": dict(perm=[0, 2, 1, 3]),
+    "keys-transposed-multiplied": dict(keys_as_rows=False, scale="Mul"),
+    "run-time-scale-sequence-first": dict(scale="DivInput", perm=[2, 0, 1, 3]),
+    "unscaled-one-batch-axis": dict(batch=(3,), scale=None),
+    "wide-heads": dict(batch=(2,), depth=40, values=2 * value_chunks(10 ** 6, LANES)[0][1] + 3,
+                       perm=[1, 0, 2]),
+    "narrow-heads": dict(batch=(2, 2), depth=3, values=1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, case):
+    """Every sequence from 1 to two query tiles and one more, queries and keys equal, and a
+    partial tile against many keys and a whole one against few: no softmax or matmul kernel
+    is left (the one attention kernel does it all), and the outputs match onnxruntime."""
+    model = attention_model(**CASES[case])
+    options = PipelineOptions(knob_database=knob_database)
+    names = kernel_names(model, options)
+    assert any(name.startswith("attention") for name in names), names
+    assert not any("softmax" in name or "matmul" in name for name in names), names
+    session = tightfit.compile(model, options=options).session()
+    for sequence in range(1, 2 * LANES + 2):
+        assert_matches(model, session, sequence, sequence)
+    assert_matches(model, session, LANES - 1, 3 * LANES + 5)
+    assert_matches(model, session, LANES, 2)
+
+
+@pytest.mark.parametrize("change", ["probabilities-also-output", "unscaled-by-a-vector"])
+def test_an_attention_whose_steps_are_needed_elsewhere_keeps_its_kernels(change):
+    """Softmax probabilities that are an output of their own, or scores scaled by a tensor that
+    is not one number, are not fused; the model still matches onnxruntime."""
+    model = attention_model(output_probabilities=change == "probabilities-also-output")
+    if change == "unscaled-by-a-vector":
+        model.graph.initializer[0].CopyFrom(numpy_helper.from_array(
+            np.linspace(0.2, 0.5, 5).astype(np.float32), "c"))
+    names = kernel_names(model, PipelineOptions())
+    assert not any(name.startswith("attention") for name in names), names
+    session = tightfit.compile(model).session()
+    assert_matches(model, session, 6, 5 if change == "unscaled-by-a-vector" else 9)
+
+
+@pytest.fixture(scope="module")
+def cross_attention():
+    model = attention_model(batch=(2,), depth=8, values=5, perm=[1, 0, 2])
+    return model, tightfit.compile(model).session()
+
+
+@settings(max_examples=25, deadline=None)
+@given(queries=st.integers(1, 3 * LANES + 3), keys=st.integers(1, 3 * LANES + 3))
+def test_cross_attention_matches_onnxruntime_at_any_query_and_key_counts(cross_attention,
+                                                                         queries, keys):
+    """Queries and keys of different counts (cross-attention), any of each."""
+    model, session = cross_attention
+    assert_matches(model, session, queries, keys)
+
+
+@given(values=st.integers(1, 300), lanes=st.sampled_from([4, 8, 16]))
+def test_value_chunks_cover_the_columns_in_even_stack_sized_chunks(values, lanes):
+    chunks = value_chunks(values, lanes)
+    assert [start for start, _ in chunks] == list(np.cumsum([0] + [w for _, w in chunks[:-1]]))
+    assert sum(width for _, width in chunks) == values
+    assert all(width * lanes * 4 < 1024 for _, width in chunks)
+    assert max(w for _, w in chunks) - min(w for _, w in chunks) <= len(chunks)
