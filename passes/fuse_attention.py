@@ -12,10 +12,11 @@ head merge), which the kernel's stores do. A K^T that is permute_dims(K) swappin
 axes is read from K. The kernel (schedules/attention.py) never writes the scores out; it is
 emitted as its TE definition, marked, and ScheduleKernels gives it its body.
 
-VM time, medians of alternating turns (Zen 4, 2 threads), the three kernels -> one: see the
-commit that added this pass.
-Limits: fp32; the batch axes of Q, K and V equal (no broadcasting); static head widths; a mask
-or any other op between the matmuls keeps the three kernels.
+Whole models, VM time, medians of 9 alternating turns (Zen 4, 2 threads), three kernels -> one:
+torch_transformer_layers 24.5 -> 23.1 us at 3x12x32, speech_encoder 26.8 -> 23.8 us at 2x77x40,
+8.6 -> 7.6 us at 1x40x40 (bench/ab_revisions.py).
+Limits: fp32; the batch axes of Q, K and V equal (no broadcasting); static heads of at most
+MAX_HEAD_WIDTH; a mask or any other op between the matmuls keeps the three kernels.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from tvm import relax, tirx
 from ..schedules.attention import ATTENTION_ATTR, DIVIDE, MULTIPLY, attention
 from ..schedules.kernel_call import emit_kernel
 from .permute_patterns import last_two_axes_swapped, permutes_of_single_use
+
+# The widest head (Q's and V's last axes) fused. The kernel keeps the tile's Q^T rows and V's
+# column sums in registers, and runs its multiply-adds with a broadcast operand each; over wider
+# heads the register-tiled GEMM kernels win. Alone, fused against the three kernels (us, Zen 4,
+# 2 threads, 4 heads): head 8 at 33 / 128 tokens 4.2 / 21.2 against 6.1 / 33.0; head 16 at 128
+# tokens 52.7 against 38.8; head 32 at 128 tokens 101.8 against 60.4; head 64 at 16 / 128 tokens
+# 7.4 / 182 against 4.3 / 100.
+MAX_HEAD_WIDTH = 8
 
 # FuseOps fuses nothing into an opaque kernel: an epilogue fused in would leave the marked
 # PrimFunc's blocks different from the definition the kernel replaces
@@ -143,7 +152,7 @@ def _unscaled(scores: relax.Expr, bindings) -> tuple[relax.Expr, relax.Expr | No
 
 def _shapes_fit(queries, keys, values) -> bool:
     """Q [*batch, queries, depth], K^T [*batch, depth, keys], V [*batch, keys, values], all
-    float32, with equal batch axes and static depth and values."""
+    float32, with equal batch axes and static depth and values of at most MAX_HEAD_WIDTH."""
     if not all(_is_fp32(operand) for operand in (queries, keys, values)):
         return False
     q_shape, k_shape, v_shape = (operand.ty.shape.values for operand in (queries, keys, values))
@@ -154,7 +163,8 @@ def _shapes_fit(queries, keys, values) -> bool:
              for a, b in ((a, b), (a, c))]
     equal += [(q_shape[-1], k_shape[-2]), (k_shape[-1], v_shape[-2])]
     return (all(analyzer.can_prove_equal(a, b) for a, b in equal)
-            and all(isinstance(dim, tirx.IntImm) for dim in (q_shape[-1], v_shape[-1])))
+            and all(isinstance(dim, tirx.IntImm) and int(dim) <= MAX_HEAD_WIDTH
+                    for dim in (q_shape[-1], v_shape[-1])))
 
 
 def _same(var, other) -> bool:

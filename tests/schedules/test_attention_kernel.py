@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
+from tightfit.passes import fuse_attention
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.attention import value_chunks
 from tightfit.schedules.isa import isa_for_target
@@ -104,10 +105,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, case):
+def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, monkeypatch, case):
     """Every sequence from 1 to two query tiles and one more, queries and keys equal, and a
     partial tile against many keys and a whole one against few: no softmax or matmul kernel
-    is left (the one attention kernel does it all), and the outputs match onnxruntime."""
+    is left (the one attention kernel does it all), and the outputs match onnxruntime. Wide
+    heads, which FuseAttention leaves to the GEMM kernels, are fused with its limit raised:
+    the kernel's query rows out of registers, V's columns in several chunks."""
+    monkeypatch.setattr(fuse_attention, "MAX_HEAD_WIDTH", 1000)
     model = attention_model(**CASES[case])
     options = PipelineOptions(knob_database=knob_database)
     names = kernel_names(model, options)
@@ -120,11 +124,14 @@ def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, case)
     assert_matches(model, session, LANES, 2)
 
 
-@pytest.mark.parametrize("change", ["probabilities-also-output", "unscaled-by-a-vector"])
+@pytest.mark.parametrize("change", ["probabilities-also-output", "unscaled-by-a-vector",
+                                    "wide-head"])
 def test_an_attention_whose_steps_are_needed_elsewhere_keeps_its_kernels(change):
-    """Softmax probabilities that are an output of their own, or scores scaled by a tensor that
-    is not one number, are not fused; the model still matches onnxruntime."""
-    model = attention_model(output_probabilities=change == "probabilities-also-output")
+    """Softmax probabilities that are an output of their own, scores scaled by a tensor that
+    is not one number, or a head wider than MAX_HEAD_WIDTH are not fused; the model still
+    matches onnxruntime."""
+    model = attention_model(output_probabilities=change == "probabilities-also-output",
+                            depth=fuse_attention.MAX_HEAD_WIDTH + (change == "wide-head"))
     if change == "unscaled-by-a-vector":
         model.graph.initializer[0].CopyFrom(numpy_helper.from_array(
             np.linspace(0.2, 0.5, 5).astype(np.float32), "c"))
