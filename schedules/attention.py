@@ -13,7 +13,8 @@ lane of its own:
   the key, broadcast, into that element's vector; scaled; kept in a scratch row of `keys`
   vectors, and the maximum so far taken lane by lane;
 - for each key: exp(score - maximum) in place, summed lane by lane;
-- the weighted sum of V's rows, CHUNK of its columns at a time in registers, a multiply-add of
+- the weighted sum of V's rows, a chunk of its columns at a time in registers
+  (`value_chunks`), a multiply-add of
   each value, broadcast, into the vector of the tile's probabilities of its key; multiplied by
   the reciprocal of the sums and stored, each lane to its query's row.
 Maxima and sums run along the keys, so no fold across lanes; K and V are read an element at a
@@ -25,7 +26,8 @@ threshold (dispatch.parallel_buckets). The exponential is row_kernels.fast_exp.
 `attention` is the same computation as TE computes (TOPI's softmax between two reductions), the
 kernel's definition: FuseAttention emits it, ScheduleKernels replaces its body with this
 kernel, and a tuner (`tightfit tune`) sees it as one workload.
-Limits: fp32; static head widths (Q's and V's last axes).
+Limits: fp32; static head widths (Q's and V's last axes); FuseAttention uses it for narrow
+heads only (fuse_attention.MAX_HEAD_WIDTH), where it beats the GEMM kernels.
 """
 
 from __future__ import annotations
