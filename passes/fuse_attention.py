@@ -8,9 +8,12 @@ kernels of the hot ops). The chain matched, every intermediate used only by the 
   probabilities = softmax(scores, axis=-1)
   out = matmul(probabilities, V)         V [*batch, keys, values]
 and, where it is out's only use and keeps the columns last, a permute_dims of out (attention's
-head merge), which the kernel's stores do. A K^T that is permute_dims(K) swapping K's last two
-axes is read from K. The kernel (schedules/attention.py) never writes the scores out; it is
-emitted as its TE definition, marked, and ScheduleKernels gives it its body.
+head merge), which the kernel's stores do. Q, K^T and V are each read from the farthest tensor
+they are a layout of (passes/strided_views.py): a K^T made by permute_dims(K) from K, the
+heads that a reshape, a transpose and a slice, split or take cut from a QKV projection from
+the projection, so none of those copies is made. The kernel (schedules/attention.py) never
+writes the scores out; it is emitted as its TE definition, marked, and ScheduleKernels gives it
+its body.
 
 Whole models, VM time, medians of 9 alternating turns (Zen 4, 2 threads), three kernels -> one:
 torch_transformer_layers 24.5 -> 23.1 us at 3x12x32, speech_encoder 26.8 -> 23.8 us at 2x77x40,
@@ -26,9 +29,11 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, tirx
 
-from ..schedules.attention import ATTENTION_ATTR, DIVIDE, MULTIPLY, attention
+from ..schedules.attention import ATTENTION_ATTR, DIVIDE, MULTIPLY, OperandLayout, attention
 from ..schedules.kernel_call import emit_kernel
-from .permute_patterns import last_two_axes_swapped, permutes_of_single_use
+from ..schedules.row_chunks import substitute
+from .permute_patterns import permutes_of_single_use
+from .strided_views import StridedView, strided_view
 
 # The widest head (Q's and V's last axes) fused. The kernel keeps the tile's Q^T rows and V's
 # column sums in registers, and runs its multiply-adds with a broadcast operand each; over wider
@@ -45,9 +50,7 @@ OPAQUE = 8
 
 @dataclass(frozen=True)
 class _Attention:
-    queries: relax.Expr
-    keys: relax.Expr  # K^T [*batch, depth, keys]
-    values: relax.Expr
+    operands: tuple[StridedView, StridedView, StridedView]  # Q, K (not K^T), V
     scale: relax.Expr | None
     scale_op: str | None
 
@@ -58,7 +61,6 @@ class _AttentionRewriter(relax.PyExprMutator):
         super().__init__(mod)
         self.attentions = _attentions(func)
         self.permutes = permutes_of_single_use(func)
-        self.transposed_keys = last_two_axes_swapped(func)
         # a permute_dims that the kernel's stores do -> the kernel's result
         self.done_by_stores: dict[relax.Var, relax.Var] = {}
 
@@ -70,23 +72,46 @@ class _AttentionRewriter(relax.PyExprMutator):
         if found is None:
             super().visit_var_binding_(binding)
             return
-        keys = self.transposed_keys.get(found.keys)
         permute = self.permutes.get(binding.var)
-        args = [self.visit_expr(found.queries),
-                self.visit_expr(found.keys if keys is None else keys),
-                self.visit_expr(found.values),
+        scalars = _KernelScalars()
+        layouts = tuple(OperandLayout(scalars.of(view.offset), tuple(map(scalars.of, view.shape)),
+                                      tuple(map(scalars.of, view.strides)))
+                        for view in found.operands)
+        args = [*(self.visit_expr(view.source) for view in found.operands),
                 *([self.visit_expr(found.scale)] if found.scale is not None else [])]
-        options = {"keys_in_rows": keys is not None, "scale": found.scale_op or "",
-                   "out_axes": list(permute.axes) if permute else []}
+        options = {"layouts": [[layout.offset, list(layout.shape), list(layout.strides)]
+                               for layout in layouts],
+                   "scale": found.scale_op or "", "out_axes": list(permute.axes) if permute else []}
         new_var = emit_kernel(self.builder_, attention, args, "attention",
                               {ATTENTION_ATTR: options, "op_pattern": OPAQUE},
                               (permute.var if permute else binding.var).name, plain_dims=True,
-                              keys_in_rows=keys is not None, scale_op=found.scale_op,
+                              scalars=scalars.pairs, layouts=layouts, scale_op=found.scale_op,
                               out_axes=permute.axes if permute else None)
         if permute:
             self.done_by_stores[permute.var] = new_var
             return
         self.set_var_remap(binding.var, new_var)
+
+
+class _KernelScalars:
+    """The kernel's scalar parameters: the symbolic dims the operands' layouts are expressions
+    of, passed as the VM holds them (an expression of them passed would be computed by a
+    kernel call of its own before each attention); constants stay constants, so that the
+    kernel's loads of contiguous rows are vector loads."""
+
+    def __init__(self):
+        self.pairs: list[tuple[tirx.Var, tirx.Var]] = []  # (the function's dim, the parameter)
+
+    def of(self, expr):
+        return substitute(expr, {dim: self._parameter(dim)
+                                 for dim in tirx.analysis.undefined_vars(expr)})
+
+    def _parameter(self, dim: tirx.Var) -> tirx.Var:
+        for known, parameter in self.pairs:
+            if known.same_as(dim):
+                return parameter
+        self.pairs.append((dim, tirx.Var(dim.name, dim.ty.dtype)))
+        return self.pairs[-1][1]
 
 
 @tvm.transform.module_pass(opt_level=0, name="tightfit.FuseAttention")
@@ -131,10 +156,23 @@ def _attentions(func: relax.Function) -> dict[relax.Var, _Attention]:
         if not (_is_call(product, "relax.matmul") and _is_call(weighted, "relax.matmul")
                 and weighted.args[0].same_as(probabilities)):
             continue
-        queries, keys = product.args
-        if _shapes_fit(queries, keys, weighted.args[1]):
-            attentions[out] = _Attention(queries, keys, weighted.args[1], scale, scale_op)
+        queries, keys_transposed = product.args
+        operands = _operand_views(queries, keys_transposed, weighted.args[1], bindings)
+        if operands is not None and _shapes_fit(*operands):
+            attentions[out] = _Attention(operands, scale, scale_op)
     return attentions
+
+
+def _operand_views(queries, keys_transposed, values, bindings):
+    """Q, K and V as views of the tensors they are layouts of; None where one is not float32
+    or of a known rank."""
+    if not all(_is_fp32(operand) and len(operand.ty.shape.values) >= 2
+               for operand in (queries, keys_transposed, values)):
+        return None
+    q, k_transposed, v = (strided_view(operand, bindings)
+                          for operand in (queries, keys_transposed, values))
+    rank = len(k_transposed.shape)
+    return q, k_transposed.permuted([*range(rank - 2), rank - 1, rank - 2]), v
 
 
 def _unscaled(scores: relax.Expr, bindings) -> tuple[relax.Expr, relax.Expr | None, str | None]:
@@ -150,21 +188,18 @@ def _unscaled(scores: relax.Expr, bindings) -> tuple[relax.Expr, relax.Expr | No
     return scores, None, None
 
 
-def _shapes_fit(queries, keys, values) -> bool:
-    """Q [*batch, queries, depth], K^T [*batch, depth, keys], V [*batch, keys, values], all
-    float32, with equal batch axes and static depth and values of at most MAX_HEAD_WIDTH."""
-    if not all(_is_fp32(operand) for operand in (queries, keys, values)):
-        return False
-    q_shape, k_shape, v_shape = (operand.ty.shape.values for operand in (queries, keys, values))
-    if not len(q_shape) == len(k_shape) == len(v_shape) >= 2:
+def _shapes_fit(q: StridedView, k: StridedView, v: StridedView) -> bool:
+    """Q [*batch, queries, depth], K [*batch, keys, depth], V [*batch, keys, values] with equal
+    batch axes and static depth and values of at most MAX_HEAD_WIDTH."""
+    if not len(q.shape) == len(k.shape) == len(v.shape):
         return False
     analyzer = tvm.sym.Analyzer()
-    equal = [(a, b) for a, b, c in zip(q_shape[:-2], k_shape[:-2], v_shape[:-2])
+    equal = [(a, b) for a, b, c in zip(q.shape[:-2], k.shape[:-2], v.shape[:-2])
              for a, b in ((a, b), (a, c))]
-    equal += [(q_shape[-1], k_shape[-2]), (k_shape[-1], v_shape[-2])]
+    equal += [(q.shape[-1], k.shape[-1]), (k.shape[-2], v.shape[-2])]
     return (all(analyzer.can_prove_equal(a, b) for a, b in equal)
             and all(isinstance(dim, tirx.IntImm) and int(dim) <= MAX_HEAD_WIDTH
-                    for dim in (q_shape[-1], v_shape[-1])))
+                    for dim in (q.shape[-1], v.shape[-1])))
 
 
 def _same(var, other) -> bool:

@@ -18,10 +18,13 @@ lane of its own:
   each value, broadcast, into the vector of the tile's probabilities of its key; multiplied by
   the reciprocal of the sums and stored, each lane to its query's row.
 Maxima and sums run along the keys, so no fold across lanes; K and V are read an element at a
-time, so a K given as it is (K^T by a permute_dims that the kernel then does) costs what K^T
-does, and neither is packed. The queries of a tile's lanes past the last query repeat it and
-are not stored. Tiles (batch entries x query tiles) run in parallel above the parallel
-threshold (dispatch.parallel_buckets). The exponential is row_kernels.fast_exp.
+time and neither is packed, so each operand can be read where it lies in the tensor it is a
+layout of (`OperandLayout`: K as it is for K^T, the heads of a QKV projection in the
+projection, at a stride of three heads' widths per row), and a whole tile's queries are loaded
+as rows of `depth` elements where they are not next to each other. The queries of a tile's
+lanes past the last query repeat it and are not stored. Tiles (batch entries x query tiles) run
+in parallel above the parallel threshold (dispatch.parallel_buckets). The exponential is
+row_kernels.fast_exp.
 
 `attention` is the same computation as TE computes (TOPI's softmax between two reductions), the
 kernel's definition: FuseAttention emits it, ScheduleKernels replaces its body with this
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
 
 from tvm import te, tirx, topi
 
@@ -41,28 +45,45 @@ from .dispatch import MAC_WORK_DIVISOR, nested_ifs, parallel_buckets
 from .isa import FP32_BYTES, MAX_STACK_ALLOCA_BYTES, VectorISA
 from .row_kernels import fast_exp
 
-# The PrimFunc attribute that marks the kernel: {"keys_in_rows", "scale", "out_axes"}
+# The PrimFunc attribute that marks the kernel: {"layouts": [[offset, shape, strides]] of Q, K
+# and V, "scale", "out_axes"}
 ATTENTION_ATTR = "tightfit.attention"
 MULTIPLY = "multiply"
 DIVIDE = "divide"
 
 
-def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scale: te.Tensor, keys_in_rows: bool,
-              scale_op: str | None, out_axes: tuple[int, ...] | None) -> te.Tensor:
-    """softmax(Q K^T (x or / scale)) V over the last axis, Q [*batch, queries, depth],
-    V [*batch, keys, values]; K is [*batch, keys, depth] when `keys_in_rows`, else K^T
-    [*batch, depth, keys]. `scale` is a 0-d tensor when `scale_op` is given. `out_axes`: the
-    result's axes in the order it holds them, the columns last (None: in order)."""
+@dataclass(frozen=True)
+class OperandLayout:
+    """Where element [*batch, row, column] of an operand lies in the tensor the kernel is given
+    for it: offset + sum(index x stride) (passes/strided_views.py). Q's rows are its queries,
+    K's its keys (K, not K^T), V's its keys; each expression is a constant or the kernel's."""
+
+    offset: tirx.PrimExpr
+    shape: tuple[tirx.PrimExpr, ...]
+    strides: tuple[tirx.PrimExpr, ...]
+
+    def element(self, index) -> tirx.PrimExpr:
+        return self.offset + functools.reduce(
+            operator.add, [i * stride for i, stride in zip(index, self.strides)])
+
+
+def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scale: te.Tensor,
+              layouts: tuple[OperandLayout, OperandLayout, OperandLayout], scale_op: str | None,
+              out_axes: tuple[int, ...] | None) -> te.Tensor:
+    """softmax(Q K^T (x or / scale)) V over the last axis, each operand read from the tensor
+    given for it as its layout says (Q [*batch, queries, depth], K [*batch, keys, depth],
+    V [*batch, keys, values]). `scale` is a 0-d tensor when `scale_op` is given. `out_axes`:
+    the result's axes in the order it holds them, the columns last (None: in order)."""
+    q, k, v = (_operand(source, layout, name)
+               for source, layout, name in zip((q, k, v), layouts, "qkv"))
     *batch, queries, depth = q.shape
-    keys = k.shape[-2] if keys_in_rows else k.shape[-1]
+    keys = k.shape[-2]
     values = v.shape[-1]
     element = te.reduce_axis((0, depth), "element")
 
     def score(*index):
         *b, query, key = index
-        key_element = k[(*b, key, element)] if keys_in_rows else k[(*b, element, key)]
-        product = te.sum(q[(*b, query, element)] * key_element, axis=element)
-        return product
+        return te.sum(q[(*b, query, element)] * k[(*b, key, element)], axis=element)
 
     scores = te.compute((*batch, queries, keys), score, name="attention_scores")
     if scale_op == MULTIPLY:
@@ -86,14 +107,34 @@ def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scale: te.Tensor, keys_
     return te.compute([extents[axis] for axis in order], weighted_sum, name="attention_out")
 
 
+def _operand(source: te.Tensor, layout: OperandLayout, name: str) -> te.Tensor:
+    return te.compute(layout.shape,
+                      lambda *index: source(*_unravel(layout.element(index), source.shape)),
+                      name=f"attention_{name}")
+
+
+def _unravel(flat, shape) -> list:
+    """The index of element `flat` of a contiguous tensor of `shape`."""
+    index = []
+    for dim in reversed(shape):
+        index.append(tirx.floormod(flat, dim))
+        flat = tirx.floordiv(flat, dim)
+    return index[::-1]
+
+
 def schedule_attention(func: tirx.PrimFunc, isa: VectorISA,
                        min_parallel_work: int) -> tirx.PrimFunc | None:
     """The attention kernel in place of the body of a PrimFunc FuseAttention marked, else None."""
     options = (func.attrs or {}).get(ATTENTION_ATTR)
     if options is None:
         return None
-    kernel = _Attention(*func.params, keys_in_rows=bool(options["keys_in_rows"]),
-                        scale_op=str(options["scale"]) or None,
+    scale_op = str(options["scale"]) or None
+    q, k, v, *rest = func.params
+    scale = rest[:1] if scale_op else []
+    out = rest[-1]  # after the layouts' scalars
+    layouts = [OperandLayout(offset, tuple(shape), tuple(strides))
+               for offset, shape, strides in options["layouts"]]
+    kernel = _Attention(q, k, v, *scale, out, layouts=layouts, scale_op=scale_op,
                         out_axes=[int(axis) for axis in options["out_axes"]], lanes=isa.lanes)
     versions = [(condition, kernel.loop(parallel))
                 for parallel, condition in parallel_buckets(kernel.work(), min_parallel_work)]
@@ -114,16 +155,17 @@ class _Attention:
     """The kernel's loop over tiles, for one version (serial or parallel)."""
 
     def __init__(self, q: tirx.Buffer, k: tirx.Buffer, v: tirx.Buffer, *rest: tirx.Buffer,
-                 keys_in_rows: bool, scale_op: str | None, out_axes: list[int], lanes: int):
+                 layouts: list[OperandLayout], scale_op: str | None, out_axes: list[int],
+                 lanes: int):
         *scale, out = rest
         self.scale = scale[0] if scale else None
         self.scale_op = scale_op
-        *batch, self.queries, depth = q.shape
-        self.keys = k.shape[-2] if keys_in_rows else k.shape[-1]
-        self.depth, self.values = int(depth), int(v.shape[-1])
-        self.keys_in_rows = keys_in_rows
+        self.q_layout, self.k_layout, self.v_layout = layouts
+        *batch, self.queries, depth = self.q_layout.shape
+        self.keys = self.k_layout.shape[-2]
+        self.depth, self.values = int(depth), int(self.v_layout.shape[-1])
         self.lanes = lanes
-        self.index_type = self.queries.ty.dtype
+        self.index_type = "int64"
         self.batch = batch
         self.entries = functools.reduce(operator.mul, batch, tirx.const(1, self.index_type))
         self.tiles = tirx.floordiv(self.queries + lanes - 1, lanes)
@@ -166,35 +208,48 @@ class _Attention:
         vector = tirx.Ramp(self._int(0), self._int(1), lanes)
         at_key = tirx.Ramp(key * lanes, self._int(1), lanes)
 
+        # the tile's batch index, and where its entry starts in each operand and the output
+        batch_index = [tirx.Var(f"batch{axis}", self.index_type)
+                       for axis in range(len(self.batch))]
+        q_base, k_base, v_base, out_base = (tirx.Var(f"{name}_base", self.index_type)
+                                            for name in ("q", "k", "v", "out"))
+        bases = [*[tirx.Bind(var, index) for var, index in zip(batch_index, self._unravel(entry))],
+                 *[tirx.Bind(base, offset + sum((index * stride for index, stride
+                                                 in zip(batch_index, strides)), self._int(0)))
+                   for base, offset, strides in (
+                       (q_base, self.q_layout.offset, self.q_layout.strides),
+                       (k_base, self.k_layout.offset, self.k_layout.strides),
+                       (v_base, self.v_layout.offset, self.v_layout.strides),
+                       (out_base, self._int(0), self.out_strides))]]
         # the tile's queries as lanes, a row of Q^T per element: a whole tile's rows loaded as
         # vectors and transposed in registers; a partial tile's gathered, the lanes past the
         # last query repeating it
         query_tile = tirx.decl_buffer((self.depth * lanes,), dtype, "tile_queries",
                                       scope="global")
-        tile_start = (entry * self.queries + first) * self.depth
-        rows = [tirx.BufferLoad(self.q, [tirx.Ramp(tile_start + index * lanes, self._int(1),
-                                                   lanes)]) for index in range(self.depth)]
+        row_stride, element_stride = self.q_layout.strides[-2:]
         clamped = tirx.min(tirx.Ramp(first, self._int(1), lanes),
                            tirx.Broadcast(self.queries - 1, lanes))
-        q_rows = tirx.Broadcast(entry * self.queries, lanes) + clamped
-        transposed = tirx.SeqStmt([tirx.BufferStore(query_tile, tirx.Shuffle(
-            rows, [tirx.const(query * self.depth + element, "int32") for query in range(lanes)]),
-            [self._vector(element)]) for element in range(self.depth)])
-        gathered = tirx.SeqStmt([tirx.BufferStore(query_tile, tirx.BufferLoad(
-            self.q, [q_rows * self.depth + tirx.Broadcast(self._int(element), lanes)]),
-            [self._vector(element)]) for element in range(self.depth)])
+        gathered = tirx.SeqStmt([tirx.BufferStore(query_tile, tirx.BufferLoad(self.q, [
+            tirx.Broadcast(q_base + element * element_stride, lanes)
+            + clamped * tirx.Broadcast(row_stride, lanes)]), [self._vector(element)])
+            for element in range(self.depth)])
+        rows = self._query_rows(q_base + first * row_stride, row_stride, element_stride)
+        whole_tile = gathered if rows is None else tirx.SeqStmt([
+            tirx.BufferStore(query_tile, tirx.Shuffle(
+                rows, [tirx.const(query * self.depth + element, "int32")
+                       for query in range(lanes)]), [self._vector(element)])
+            for element in range(self.depth)])
         columns = [tirx.Var(f"query_element{element}", f"{dtype}x{lanes}")
                    for element in range(self.depth)]
         gathers = [tirx.AllocBuffer(query_tile),
-                   tirx.IfThenElse(first + lanes <= self.queries, transposed, gathered),
+                   tirx.IfThenElse(first + lanes <= self.queries, whole_tile, gathered),
                    *[tirx.Bind(column, tirx.BufferLoad(query_tile, [self._vector(element)]))
                      for element, column in enumerate(columns)]]
 
+        key_row_stride, key_element_stride = self.k_layout.strides[-2:]
+
         def key_element(element):
-            if self.keys_in_rows:
-                index = (entry * self.keys + key) * self.depth + element
-            else:
-                index = (entry * self.depth + element) * self.keys + key
+            index = k_base + key * key_row_stride + element * key_element_stride
             return tirx.Broadcast(tirx.BufferLoad(self.k, [index]), lanes)
 
         score = functools.reduce(operator.add, [key_element(element) * column
@@ -222,6 +277,7 @@ class _Attention:
         statements = [
             tirx.Bind(entry, tirx.floordiv(task, self.tiles)),
             tirx.Bind(first, tirx.floormod(task, self.tiles) * lanes),
+            *bases,
             *gathers,
             *scaling,
             tirx.AllocBuffer(scores), tirx.AllocBuffer(peak), tirx.AllocBuffer(total),
@@ -234,11 +290,12 @@ class _Attention:
                       / tirx.BufferLoad(total, [vector])),
         ]
         for start, width in value_chunks(self.values, lanes):
-            statements += self._weighted_sums(entry, first, scores, reciprocal, start, width)
+            statements += self._weighted_sums(first, v_base, out_base, scores, reciprocal,
+                                              start, width)
         return tirx.SeqStmt(statements)
 
-    def _weighted_sums(self, entry, first, probabilities: tirx.Buffer, reciprocal, start: int,
-                       width: int) -> list[tirx.Stmt]:
+    def _weighted_sums(self, first, v_base, out_base, probabilities: tirx.Buffer, reciprocal,
+                       start: int, width: int) -> list[tirx.Stmt]:
         """V's columns [start, start + width) weighted by the tile's probabilities, summed over
         the keys, and stored: a whole tile a vector per column, strided along the output's
         rows; the last, partial one through a stack array, lane by lane."""
@@ -250,8 +307,10 @@ class _Attention:
         def at(column):
             return tirx.Ramp(self._int(column * lanes), self._int(1), lanes)
 
+        key_stride, column_stride = self.v_layout.strides[-2:]
+
         def value(column):
-            index = (entry * self.keys + key) * self.values + start + column
+            index = v_base + key * key_stride + (start + column) * column_stride
             return tirx.Broadcast(tirx.BufferLoad(self.v, [index]), lanes)
 
         accumulate = tirx.For(key, self._int(0), self.keys, tirx.ForKind.SERIAL, tirx.SeqStmt([
@@ -260,7 +319,7 @@ class _Attention:
             *[tirx.BufferStore(sums, tirx.BufferLoad(sums, [at(column)]) + value(column)
                                * probability, [at(column)]) for column in range(width)]]))
         row_stride = self.out_strides[-2]
-        base = self._out_base(entry) + first * row_stride + start
+        base = out_base + first * row_stride + start
         weighted = [tirx.Var(f"weighted{column}", f"{dtype}x{lanes}") for column in range(width)]
         whole = tirx.SeqStmt([
             *[tirx.Bind(var, tirx.BufferLoad(sums, [at(column)]) * reciprocal)
@@ -283,14 +342,30 @@ class _Attention:
                 accumulate,
                 tirx.IfThenElse(first + lanes <= self.queries, whole, partial)]
 
-    def _out_base(self, entry):
-        """Where the batch entry's [queries, values] block starts in the output: its batch
-        index, unravelled, times each batch axis's stride."""
-        offset, rest = self._int(0), entry
-        for axis in reversed(range(len(self.batch))):
-            offset = offset + tirx.floormod(rest, self.batch[axis]) * self.out_strides[axis]
+    def _unravel(self, entry) -> list:
+        """The batch index of batch entry `entry` (the outermost axis needs no modulo: entry is
+        below the entries' count, and a division by a run-time extent costs tens of cycles)."""
+        index, rest = [], entry
+        for axis in reversed(range(1, len(self.batch))):
+            index.append(tirx.floormod(rest, self.batch[axis]))
             rest = tirx.floordiv(rest, self.batch[axis])
-        return offset
+        return [rest, *reversed(index)] if self.batch else []
+
+    def _query_rows(self, start, row_stride, element_stride) -> list | None:
+        """A whole tile's queries as vectors whose lanes, in order, are query 0's elements,
+        then query 1's, ...: `depth` vectors of `lanes` where the tile's rows lie next to each
+        other, a vector per query where each row's elements do; None where neither."""
+        if not _is_constant(element_stride, 1):
+            return None
+        if _is_constant(row_stride, self.depth):
+            return [tirx.BufferLoad(self.q, [tirx.Ramp(start + index * self.lanes, self._int(1),
+                                                       self.lanes)])
+                    for index in range(self.depth)]
+        if self.depth == 1:
+            return None
+        return [tirx.BufferLoad(self.q, [tirx.Ramp(start + query * row_stride, self._int(1),
+                                                   self.depth)])
+                for query in range(self.lanes)]
 
     def _vector(self, index: int):
         """The index of a stack array's vector `index`."""
@@ -310,6 +385,10 @@ def _query_row(columns: list[tirx.Var], query: int, lanes: int):
 
 def _span(start, count: int):
     return start if count == 1 else tirx.Ramp(start, tirx.const(1, start.ty.dtype), count)
+
+
+def _is_constant(expr, value: int) -> bool:
+    return isinstance(expr, tirx.IntImm) and int(expr) == value
 
 
 def _size(buffer: tirx.Buffer):

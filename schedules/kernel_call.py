@@ -28,7 +28,7 @@ OUT_ELEMWISE_FUSABLE = 4
 
 def emit_kernel(builder: relax.BlockBuilder, compute: Callable, args: list, name_hint: str,
                 attrs: dict, var_name: str | None = None, plain_dims: bool = False,
-                **kwargs) -> relax.Var:
+                scalars: list[tuple[tirx.PrimExpr, tirx.Var]] = (), **kwargs) -> relax.Var:
     """Emit `compute(*args, **kwargs)` as call_tir to a fusable PrimFunc carrying `attrs`.
 
     With `plain_dims` the PrimFunc sees each dim of the tensor arguments that is an expression
@@ -37,9 +37,11 @@ def emit_kernel(builder: relax.BlockBuilder, compute: Callable, args: list, name
     the symbols and keep the expressions). For kernels whose unrolled body repeats those
     expressions in every index: TVM's TIR simplification over Winograd's input transform took
     25-32 s per kernel with the expressions (ResNet-18: 200 of its 238 s of compile), 3-4 s
-    with plain variables."""
+    with plain variables. `scalars` (with `plain_dims`): (expression of the caller's symbols,
+    variable `compute` uses it as) for the PrimFunc's scalar parameters, computed where the
+    kernel is called."""
     if plain_dims:
-        call = _call_te_over_plain_dims(builder, compute, args, name_hint, **kwargs)
+        call = _call_te_over_plain_dims(builder, compute, args, name_hint, scalars, **kwargs)
     else:
         call = builder.call_te(compute, *args, primfunc_name_hint=name_hint, **kwargs)
     global_var = call.args[0]
@@ -51,7 +53,8 @@ def emit_kernel(builder: relax.BlockBuilder, compute: Callable, args: list, name
 
 
 def _call_te_over_plain_dims(builder: relax.BlockBuilder, compute: Callable, args: list,
-                             name_hint: str, **kwargs) -> relax.Call:
+                             name_hint: str, scalars: list[tuple[tirx.PrimExpr, tirx.Var]],
+                             **kwargs) -> relax.Call:
     """call_tir to the PrimFunc of `compute` over placeholders whose symbolic dims are plain
     variables of the PrimFunc's own (as `call_te` makes them, one per distinct dim); the call's
     output type puts the caller's dims back, so Relax sees the shapes it computed."""
@@ -71,10 +74,12 @@ def _call_te_over_plain_dims(builder: relax.BlockBuilder, compute: Callable, arg
                                    arg.ty.dtype, f"arg{index}")
                     for index, arg in enumerate(args)]
     out = compute(*placeholders, **kwargs)
-    func = te.create_prim_func([*placeholders, out], "int64").without_attr("global_symbol")
-    out_shape = [substitute(dim, {var: expression for expression, var in plain})
+    # call_tir's scalar arguments follow its tensors, as the PrimFunc's parameters do
+    func = te.create_prim_func([*placeholders, *[var for _, var in scalars], out], "int64")
+    out_shape = [substitute(dim, {var: expression for expression, var in [*plain, *scalars]})
                  for dim in out.shape]
-    return relax.call_tir(builder.add_func(func, name_hint), list(args),
+    return relax.call_tir(builder.add_func(func.without_attr("global_symbol"), name_hint),
+                          [*args, *[expression for expression, _ in scalars]],
                           relax.TensorType(out_shape, out.dtype))
 
 

@@ -271,9 +271,10 @@ def test_kernel_choices_timed_on_the_emulated_device_decide_the_arm64_build(trac
 def test_transformer_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm64_device, heads,
                                                                    kernel):
     """A two-layer encoder of width 32: heads of 8 run as one attention kernel (queries in
-    NEON's 4 lanes, their tiles transposed by shuffles), heads of 16 as the GEMM kernels (K^T
-    packed from K, the head merge done by the PV product's stores); dense layers, layer norm,
-    softmax and GELU in 4-lane vectors too. Sequences under, at and past one and two query
+    NEON's 4 lanes, their tiles transposed by shuffles, Q, K and V read from the QKV
+    projection at a stride of 96 per row), heads of 16 as the GEMM kernels (K^T packed from K,
+    the head merge done by the PV product's stores); dense layers, layer norm, softmax and
+    GELU in 4-lane vectors too. Sequences under, at and past one and two query
     tiles."""
     model = zoo.transformer_encoder(dynamo=True, heads=heads)
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("emulated-arm64"),

@@ -124,6 +124,76 @@ def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, monke
     assert_matches(model, session, LANES, 2)
 
 
+def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8) -> onnx.ModelProto:
+    """x [batch, sequence, width] through one QKV projection, its heads cut off as exporters
+    do (a reshape to [batch, sequence, 3, heads, depth], a transpose putting the 3 first, then
+    a Slice and a Squeeze, a Split and Squeezes, or a Gather at 0, 1 and 2), attention per
+    head, the heads merged back."""
+    rng = np.random.default_rng(1)
+    width = heads * depth
+    initializers = [
+        numpy_helper.from_array((rng.standard_normal((width, 3 * width)) * 0.3)
+                                .astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([0, 0, 3, heads, depth], np.int64), "heads_shape"),
+        numpy_helper.from_array(np.array([0, 0, width], np.int64), "merged_shape"),
+        numpy_helper.from_array(np.array(depth ** 0.5, np.float32), "c"),
+        numpy_helper.from_array(np.array([0], np.int64), "axis0")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["qkv"]),
+             helper.make_node("Reshape", ["qkv", "heads_shape"], ["heads"]),
+             helper.make_node("Transpose", ["heads"], ["qkv_first"], perm=[2, 0, 3, 1, 4])]
+    if cut == "split":
+        nodes.append(helper.make_node("Split", ["qkv_first"], ["q_split", "k_split", "v_split"],
+                                      axis=0, num_outputs=3))
+    for index, name in enumerate("qkv"):
+        initializers.append(numpy_helper.from_array(np.array(index, np.int64), f"at{index}"))
+        initializers.append(numpy_helper.from_array(np.array([index + 1], np.int64),
+                                                    f"to{index}"))
+        if cut == "slice":
+            nodes += [helper.make_node("Unsqueeze", [f"at{index}", "axis0"], [f"from{index}"]),
+                      helper.make_node("Slice", ["qkv_first", f"from{index}", f"to{index}",
+                                                 "axis0"], [f"{name}_sliced"]),
+                      helper.make_node("Squeeze", [f"{name}_sliced", "axis0"], [name])]
+        elif cut == "gather":
+            nodes.append(helper.make_node("Gather", ["qkv_first", f"at{index}"], [name], axis=0))
+        else:
+            nodes.append(helper.make_node("Squeeze", [f"{name}_split", "axis0"], [name]))
+    nodes += [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+              helper.make_node("Div", ["scores", "c"], ["scaled"]),
+              helper.make_node("Softmax", ["scaled"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["o"]),
+              helper.make_node("Transpose", ["o"], ["merged"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["merged", "merged_shape"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "qkv_attention",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", width])],
+        initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("cut", ["slice", "split", "gather"])
+def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
+    """Q, K and V that a reshape, a transpose and a slice, split or gather cut from one QKV
+    projection are read from the projection itself, at strides of 3 x width per query: no
+    copy kernel is left between the projection and the attention kernel, and every sequence
+    up to two query tiles and one more matches onnxruntime, for one and three batch entries."""
+    model = qkv_attention_model(cut)
+    options = PipelineOptions(knob_database=knob_database)
+    names = kernel_names(model, options)
+    assert any(name.startswith("attention") for name in names), names
+    assert not any(op in name for name in names
+                   for op in ("slice", "split", "take", "transpose", "squeeze")), names
+    session = tightfit.compile(model, options=options).session()
+    for batch in (1, 3):
+        for sequence in range(1, 2 * LANES + 2):
+            feeds = {"x": np.random.default_rng(sequence).standard_normal(
+                (batch, sequence, 32)).astype(np.float32)}
+            np.testing.assert_allclose(session.run(feeds)["y"],
+                                       run_onnxruntime(model, feeds)["y"], rtol=1e-4,
+                                       atol=1e-5, err_msg=f"{batch} x {sequence}")
+
+
 @pytest.mark.parametrize("change", ["probabilities-also-output", "unscaled-by-a-vector",
                                     "wide-head"])
 def test_an_attention_whose_steps_are_needed_elsewhere_keeps_its_kernels(change):
