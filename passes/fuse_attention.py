@@ -4,7 +4,7 @@ SoD2 §4.2 (fusion over symbolic shapes: the scores' rows, their softmax and the
 all run over the same symbolic sequence length, which RDP resolves) and DESIGN.md step 6 (the
 kernels of the hot ops). The chain matched, every intermediate used only by the next op:
   scores = matmul(Q, K^T)                [*batch, queries, depth] x [*batch, depth, keys]
-  scores = multiply(scores, s) or divide(scores, s)        optional; s a 0-d float32 tensor
+  scores = multiply(scores, s) or divide(scores, s)   optional; s one number (one element)
   probabilities = softmax(scores, axis=-1)
   out = matmul(probabilities, V)         V [*batch, keys, values]
 and, where it is out's only use and keeps the columns last, a permute_dims of out (attention's
@@ -51,8 +51,7 @@ OPAQUE = 8
 @dataclass(frozen=True)
 class _Attention:
     operands: tuple[StridedView, StridedView, StridedView]  # Q, K (not K^T), V
-    scale: relax.Expr | None
-    scale_op: str | None
+    scales: tuple[tuple[relax.Expr, str], ...]  # (one-element tensor, MULTIPLY or DIVIDE)
 
 
 @relax.expr_functor.mutator
@@ -78,14 +77,15 @@ class _AttentionRewriter(relax.PyExprMutator):
                                       tuple(map(scalars.of, view.strides)))
                         for view in found.operands)
         args = [*(self.visit_expr(view.source) for view in found.operands),
-                *([self.visit_expr(found.scale)] if found.scale is not None else [])]
+                *(self.visit_expr(scale) for scale, _ in found.scales)]
+        scale_ops = [op for _, op in found.scales]
         options = {"layouts": [[layout.offset, list(layout.shape), list(layout.strides)]
                                for layout in layouts],
-                   "scale": found.scale_op or "", "out_axes": list(permute.axes) if permute else []}
+                   "scale": scale_ops, "out_axes": list(permute.axes) if permute else []}
         new_var = emit_kernel(self.builder_, attention, args, "attention",
                               {ATTENTION_ATTR: options, "op_pattern": OPAQUE},
                               (permute.var if permute else binding.var).name, plain_dims=True,
-                              scalars=scalars.pairs, layouts=layouts, scale_op=found.scale_op,
+                              scalars=scalars.pairs, layouts=layouts, scale_ops=scale_ops,
                               out_axes=permute.axes if permute else None)
         if permute:
             self.done_by_stores[permute.var] = new_var
@@ -145,7 +145,7 @@ def _attentions(func: relax.Function) -> dict[relax.Var, _Attention]:
                 and int(value.attrs.axis) % len(value.args[0].ty.shape.values)
                 == len(value.args[0].ty.shape.values) - 1):
             continue
-        scores, scale, scale_op = _unscaled(value.args[0], bindings)
+        scores, scale = _unscaled(value.args[0], bindings)
         chain = [scores, value.args[0], probabilities] if scale is not None \
             else [scores, probabilities]
         if not all(_same(only_user(var), user) for var, user in zip(chain, chain[1:])):
@@ -156,10 +156,13 @@ def _attentions(func: relax.Function) -> dict[relax.Var, _Attention]:
         if not (_is_call(product, "relax.matmul") and _is_call(weighted, "relax.matmul")
                 and weighted.args[0].same_as(probabilities)):
             continue
-        queries, keys_transposed = product.args
+        # a Q or a K^T scaled by one number scales the scores by it
+        (queries, query_scale), (keys_transposed, key_scale) = (
+            _unscaled(operand, bindings) for operand in product.args)
         operands = _operand_views(queries, keys_transposed, weighted.args[1], bindings)
         if operands is not None and _shapes_fit(*operands):
-            attentions[out] = _Attention(operands, scale, scale_op)
+            scales = tuple(found for found in (query_scale, key_scale, scale) if found is not None)
+            attentions[out] = _Attention(operands, scales)
     return attentions
 
 
@@ -175,17 +178,17 @@ def _operand_views(queries, keys_transposed, values, bindings):
     return q, k_transposed.permuted([*range(rank - 2), rank - 1, rank - 2]), v
 
 
-def _unscaled(scores: relax.Expr, bindings) -> tuple[relax.Expr, relax.Expr | None, str | None]:
-    """(the scores before a multiply or divide by a 0-d float32 tensor, that tensor, the op),
-    or (`scores`, None, None) where they are not scaled so."""
-    value = bindings.get(scores)
+def _unscaled(tensor: relax.Expr, bindings) -> tuple[relax.Expr, tuple[relax.Expr, str] | None]:
+    """(the tensor before a multiply or divide by one number (a float32 tensor of one element),
+    (that tensor, the op)), or (`tensor`, None) where it is not scaled so."""
+    value = bindings.get(tensor)
     if _is_call(value, "relax.multiply"):
         for scaled, scale in (value.args, reversed(value.args)):
-            if _is_scalar(scale) and _is_fp32(scaled):
-                return scaled, scale, MULTIPLY
-    if _is_call(value, "relax.divide") and _is_scalar(value.args[1]) and _is_fp32(value.args[0]):
-        return value.args[0], value.args[1], DIVIDE
-    return scores, None, None
+            if _is_one_number(scale, scaled):
+                return scaled, (scale, MULTIPLY)
+    if _is_call(value, "relax.divide") and _is_one_number(value.args[1], value.args[0]):
+        return value.args[0], (value.args[1], DIVIDE)
+    return tensor, None
 
 
 def _shapes_fit(q: StridedView, k: StridedView, v: StridedView) -> bool:
@@ -217,5 +220,11 @@ def _is_fp32(expr) -> bool:
             and isinstance(ty.shape, relax.ShapeExpr))
 
 
-def _is_scalar(expr) -> bool:
-    return _is_fp32(expr) and len(expr.ty.shape.values) == 0
+def _is_one_number(expr, scaled) -> bool:
+    """A float32 tensor of one element whose broadcast leaves `scaled`'s shape as it is (0-d,
+    or of ones and of no higher rank)."""
+    if not (_is_fp32(expr) and _is_fp32(scaled)):
+        return False
+    dims = expr.ty.shape.values
+    return (len(dims) <= len(scaled.ty.shape.values)
+            and all(isinstance(dim, tirx.IntImm) and int(dim) == 1 for dim in dims))

@@ -46,7 +46,7 @@ from .isa import FP32_BYTES, MAX_STACK_ALLOCA_BYTES, VectorISA
 from .row_kernels import fast_exp
 
 # The PrimFunc attribute that marks the kernel: {"layouts": [[offset, shape, strides]] of Q, K
-# and V, "scale", "out_axes"}
+# and V, "scale": the op of each scale factor, "out_axes"}
 ATTENTION_ATTR = "tightfit.attention"
 MULTIPLY = "multiply"
 DIVIDE = "divide"
@@ -67,12 +67,14 @@ class OperandLayout:
             operator.add, [i * stride for i, stride in zip(index, self.strides)])
 
 
-def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scale: te.Tensor,
-              layouts: tuple[OperandLayout, OperandLayout, OperandLayout], scale_op: str | None,
+def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scales: te.Tensor,
+              layouts: tuple[OperandLayout, OperandLayout, OperandLayout], scale_ops: list[str],
               out_axes: tuple[int, ...] | None) -> te.Tensor:
     """softmax(Q K^T (x or / scale)) V over the last axis, each operand read from the tensor
     given for it as its layout says (Q [*batch, queries, depth], K [*batch, keys, depth],
-    V [*batch, keys, values]). `scale` is a 0-d tensor when `scale_op` is given. `out_axes`:
+    V [*batch, keys, values]). The scores are multiplied or divided (`scale_ops`) by each of
+`scales`, tensors of one element, in turn (a Q and a K scaled each, as nn.MultiheadAttention's export
+does, scale the scores by both). `out_axes`:
     the result's axes in the order it holds them, the columns last (None: in order)."""
     q, k, v = (_operand(source, layout, name)
                for source, layout, name in zip((q, k, v), layouts, "qkv"))
@@ -86,12 +88,8 @@ def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scale: te.Tensor,
         return te.sum(q[(*b, query, element)] * k[(*b, key, element)], axis=element)
 
     scores = te.compute((*batch, queries, keys), score, name="attention_scores")
-    if scale_op == MULTIPLY:
-        scores = te.compute(scores.shape, lambda *index: scores(*index) * scale[0](),
-                            name="attention_scaled")
-    elif scale_op == DIVIDE:
-        scores = te.compute(scores.shape, lambda *index: scores(*index) / scale[0](),
-                            name="attention_scaled")
+    for scale, op in zip(scales, scale_ops):
+        scores = _scaled(scores, scale, op)
     probabilities = topi.nn.softmax(scores, axis=-1)
     key = te.reduce_axis((0, keys), "key")
     order = list(out_axes) if out_axes is not None else list(range(len(batch) + 2))
@@ -105,6 +103,15 @@ def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scale: te.Tensor,
         return te.sum(probabilities[(*b, query, key)] * v[(*b, key, column)], axis=key)
 
     return te.compute([extents[axis] for axis in order], weighted_sum, name="attention_out")
+
+
+def _scaled(scores: te.Tensor, scale: te.Tensor, op: str) -> te.Tensor:
+    first = [0] * len(scale.shape)  # its one element
+    if op == MULTIPLY:
+        return te.compute(scores.shape, lambda *index: scores(*index) * scale(*first),
+                          name="attention_scaled")
+    return te.compute(scores.shape, lambda *index: scores(*index) / scale(*first),
+                      name="attention_scaled")
 
 
 def _operand(source: te.Tensor, layout: OperandLayout, name: str) -> te.Tensor:
@@ -128,13 +135,13 @@ def schedule_attention(func: tirx.PrimFunc, isa: VectorISA,
     options = (func.attrs or {}).get(ATTENTION_ATTR)
     if options is None:
         return None
-    scale_op = str(options["scale"]) or None
+    scale_ops = [str(op) for op in options["scale"]]
     q, k, v, *rest = func.params
-    scale = rest[:1] if scale_op else []
+    scales = rest[:len(scale_ops)]
     out = rest[-1]  # after the layouts' scalars
     layouts = [OperandLayout(offset, tuple(shape), tuple(strides))
                for offset, shape, strides in options["layouts"]]
-    kernel = _Attention(q, k, v, *scale, out, layouts=layouts, scale_op=scale_op,
+    kernel = _Attention(q, k, v, *scales, out, layouts=layouts, scale_ops=scale_ops,
                         out_axes=[int(axis) for axis in options["out_axes"]], lanes=isa.lanes)
     versions = [(condition, kernel.loop(parallel))
                 for parallel, condition in parallel_buckets(kernel.work(), min_parallel_work)]
@@ -155,11 +162,10 @@ class _Attention:
     """The kernel's loop over tiles, for one version (serial or parallel)."""
 
     def __init__(self, q: tirx.Buffer, k: tirx.Buffer, v: tirx.Buffer, *rest: tirx.Buffer,
-                 layouts: list[OperandLayout], scale_op: str | None, out_axes: list[int],
+                 layouts: list[OperandLayout], scale_ops: list[str], out_axes: list[int],
                  lanes: int):
-        *scale, out = rest
-        self.scale = scale[0] if scale else None
-        self.scale_op = scale_op
+        *scales, out = rest
+        self.scales = list(zip(scales, scale_ops))
         self.q_layout, self.k_layout, self.v_layout = layouts
         *batch, self.queries, depth = self.q_layout.shape
         self.keys = self.k_layout.shape[-2]
@@ -256,10 +262,12 @@ class _Attention:
                                                 for element, column in enumerate(columns)])
         factor = tirx.Var("scale_factor", dtype)
         scaling = []
-        if self.scale is not None:
-            scale = tirx.BufferLoad(self.scale, [])
-            scaling = [tirx.Bind(factor, scale if self.scale_op == MULTIPLY
-                                 else tirx.const(1, dtype) / scale)]
+        if self.scales:
+            numbers = [tirx.BufferLoad(scale, [self._int(0)] * len(scale.shape))
+                        for scale, _ in self.scales]
+            factors = [number if op == MULTIPLY else tirx.const(1, dtype) / number
+                       for number, (_, op) in zip(numbers, self.scales)]
+            scaling = [tirx.Bind(factor, functools.reduce(operator.mul, factors))]
             score = score * tirx.Broadcast(factor, lanes)
         key_score = tirx.Var("key_score", f"{dtype}x{lanes}")
         scores_pass = tirx.For(key, self._int(0), self.keys, tirx.ForKind.SERIAL, tirx.SeqStmt([

@@ -124,11 +124,14 @@ def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, monke
     assert_matches(model, session, LANES, 2)
 
 
-def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8) -> onnx.ModelProto:
+def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
+                        operands_scaled: bool = False) -> onnx.ModelProto:
     """x [batch, sequence, width] through one QKV projection, its heads cut off as exporters
     do (a reshape to [batch, sequence, 3, heads, depth], a transpose putting the 3 first, then
     a Slice and a Squeeze, a Split and Squeezes, or a Gather at 0, 1 and 2), attention per
-    head, the heads merged back."""
+    head, the heads merged back. The scores are divided by sqrt(depth), or with
+    `operands_scaled` Q and K^T are each multiplied by a [1] tensor of depth^-1/4, as
+    nn.MultiheadAttention's export does."""
     rng = np.random.default_rng(1)
     width = heads * depth
     initializers = [
@@ -137,6 +140,7 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8) -> onnx.ModelP
         numpy_helper.from_array(np.array([0, 0, 3, heads, depth], np.int64), "heads_shape"),
         numpy_helper.from_array(np.array([0, 0, width], np.int64), "merged_shape"),
         numpy_helper.from_array(np.array(depth ** 0.5, np.float32), "c"),
+        numpy_helper.from_array(np.array([depth ** -0.25], np.float32), "root_c"),
         numpy_helper.from_array(np.array([0], np.int64), "axis0")]
     nodes = [helper.make_node("MatMul", ["x", "w"], ["qkv"]),
              helper.make_node("Reshape", ["qkv", "heads_shape"], ["heads"]),
@@ -157,10 +161,15 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8) -> onnx.ModelP
             nodes.append(helper.make_node("Gather", ["qkv_first", f"at{index}"], [name], axis=0))
         else:
             nodes.append(helper.make_node("Squeeze", [f"{name}_split", "axis0"], [name]))
-    nodes += [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["q", "kt"], ["scores"]),
-              helper.make_node("Div", ["scores", "c"], ["scaled"]),
-              helper.make_node("Softmax", ["scaled"], ["p"], axis=-1),
+    nodes.append(helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]))
+    if operands_scaled:
+        nodes += [helper.make_node("Mul", ["q", "root_c"], ["q_scaled"]),
+                  helper.make_node("Mul", ["kt", "root_c"], ["kt_scaled"]),
+                  helper.make_node("MatMul", ["q_scaled", "kt_scaled"], ["scaled"])]
+    else:
+        nodes += [helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+                  helper.make_node("Div", ["scores", "c"], ["scaled"])]
+    nodes += [helper.make_node("Softmax", ["scaled"], ["p"], axis=-1),
               helper.make_node("MatMul", ["p", "v"], ["o"]),
               helper.make_node("Transpose", ["o"], ["merged"], perm=[0, 2, 1, 3]),
               helper.make_node("Reshape", ["merged", "merged_shape"], ["y"])]
@@ -172,18 +181,19 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8) -> onnx.ModelP
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-@pytest.mark.parametrize("cut", ["slice", "split", "gather"])
+@pytest.mark.parametrize("cut", ["slice", "split", "gather", "gather-operands-scaled"])
 def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
     """Q, K and V that a reshape, a transpose and a slice, split or gather cut from one QKV
-    projection are read from the projection itself, at strides of 3 x width per query: no
-    copy kernel is left between the projection and the attention kernel, and every sequence
-    up to two query tiles and one more matches onnxruntime, for one and three batch entries."""
-    model = qkv_attention_model(cut)
+    projection are read from the projection itself, at strides of 3 x width per query, and a
+    Q and a K^T each scaled by one number scale the scores: no copy or multiply kernel is left
+    between the projection and the attention kernel, and every sequence up to two query tiles
+    and one more matches onnxruntime, for one and three batch entries."""
+    model = qkv_attention_model(cut.split("-")[0], operands_scaled=cut.endswith("scaled"))
     options = PipelineOptions(knob_database=knob_database)
     names = kernel_names(model, options)
     assert any(name.startswith("attention") for name in names), names
     assert not any(op in name for name in names
-                   for op in ("slice", "split", "take", "transpose", "squeeze")), names
+                   for op in ("slice", "split", "take", "transpose", "squeeze", "multiply")), names
     session = tightfit.compile(model, options=options).session()
     for batch in (1, 3):
         for sequence in range(1, 2 * LANES + 2):
