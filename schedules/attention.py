@@ -73,9 +73,9 @@ def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scales: te.Tensor,
     """softmax(Q K^T (x or / scale)) V over the last axis, each operand read from the tensor
     given for it as its layout says (Q [*batch, queries, depth], K [*batch, keys, depth],
     V [*batch, keys, values]). The scores are multiplied or divided (`scale_ops`) by each of
-`scales`, tensors of one element, in turn (a Q and a K scaled each, as nn.MultiheadAttention's export
-does, scale the scores by both). `out_axes`:
-    the result's axes in the order it holds them, the columns last (None: in order)."""
+    `scales`, tensors of one element, in turn (a Q and a K scaled each, as
+    nn.MultiheadAttention's export does, scale the scores by both). `out_axes`: the result's
+    axes in the order it holds them, the columns last (None: in order)."""
     q, k, v = (_operand(source, layout, name)
                for source, layout, name in zip((q, k, v), layouts, "qkv"))
     *batch, queries, depth = q.shape
