@@ -128,8 +128,9 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
                         operands_scaled: bool = False) -> onnx.ModelProto:
     """x [batch, sequence, width] through one QKV projection, its heads cut off as exporters
     do (a reshape to [batch, sequence, 3, heads, depth], a transpose putting the 3 first, then
-    a Slice and a Squeeze, a Split and Squeezes, or a Gather at 0, 1 and 2), attention per
-    head, the heads merged back. The scores are divided by sqrt(depth), or with
+    a Slice and a Squeeze, a Split and Squeezes, or a Gather at 0, 1 and 2), or through three
+    projections (cut "separate", as BERT's: each reshaped to [batch, sequence, heads, depth]
+    and transposed), attention per head, the heads merged back. The scores are divided by sqrt(depth), or with
     `operands_scaled` Q and K^T are each multiplied by a [1] tensor of depth^-1/4, as
     nn.MultiheadAttention's export does."""
     rng = np.random.default_rng(1)
@@ -141,10 +142,12 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
         numpy_helper.from_array(np.array([0, 0, width], np.int64), "merged_shape"),
         numpy_helper.from_array(np.array(depth ** 0.5, np.float32), "c"),
         numpy_helper.from_array(np.array([depth ** -0.25], np.float32), "root_c"),
-        numpy_helper.from_array(np.array([0], np.int64), "axis0")]
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["qkv"]),
-             helper.make_node("Reshape", ["qkv", "heads_shape"], ["heads"]),
-             helper.make_node("Transpose", ["heads"], ["qkv_first"], perm=[2, 0, 3, 1, 4])]
+        numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+        numpy_helper.from_array(np.array([0, 0, heads, depth], np.int64), "head_shape")]
+    nodes = [] if cut == "separate" else [
+        helper.make_node("MatMul", ["x", "w"], ["qkv"]),
+        helper.make_node("Reshape", ["qkv", "heads_shape"], ["heads"]),
+        helper.make_node("Transpose", ["heads"], ["qkv_first"], perm=[2, 0, 3, 1, 4])]
     if cut == "split":
         nodes.append(helper.make_node("Split", ["qkv_first"], ["q_split", "k_split", "v_split"],
                                       axis=0, num_outputs=3))
@@ -159,6 +162,14 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
                       helper.make_node("Squeeze", [f"{name}_sliced", "axis0"], [name])]
         elif cut == "gather":
             nodes.append(helper.make_node("Gather", ["qkv_first", f"at{index}"], [name], axis=0))
+        elif cut == "separate":
+            initializers.append(numpy_helper.from_array(
+                numpy_helper.to_array(initializers[0])[:, index * width:(index + 1) * width],
+                f"w{index}"))
+            nodes += [helper.make_node("MatMul", ["x", f"w{index}"], [f"{name}_projected"]),
+                      helper.make_node("Reshape", [f"{name}_projected", "head_shape"],
+                                       [f"{name}_heads"]),
+                      helper.make_node("Transpose", [f"{name}_heads"], [name], perm=[0, 2, 1, 3])]
         else:
             nodes.append(helper.make_node("Squeeze", [f"{name}_split", "axis0"], [name]))
     nodes.append(helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]))
@@ -181,10 +192,12 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-@pytest.mark.parametrize("cut", ["slice", "split", "gather", "gather-operands-scaled"])
+@pytest.mark.parametrize("cut", ["slice", "split", "gather", "gather-operands-scaled",
+                                 "separate"])
 def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
     """Q, K and V that a reshape, a transpose and a slice, split or gather cut from one QKV
-    projection are read from the projection itself, at strides of 3 x width per query, and a
+    projection are read from the projection itself, at strides of 3 x width per query (from
+    each of three projections, at strides of width, where the model has three), and a
     Q and a K^T each scaled by one number scale the scores: no copy or multiply kernel is left
     between the projection and the attention kernel, and every sequence up to two query tiles
     and one more matches onnxruntime, for one and three batch entries."""
