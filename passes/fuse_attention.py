@@ -5,6 +5,7 @@ all run over the same symbolic sequence length, which RDP resolves) and DESIGN.m
 kernels of the hot ops). The chain matched, every intermediate used only by the next op:
   scores = matmul(Q, K^T)                [*batch, queries, depth] x [*batch, depth, keys]
   scores = multiply(scores, s) or divide(scores, s)   optional; s one number (one element)
+  scores = add(scores, mask)             optional; mask float32, broadcast to the scores
   probabilities = softmax(scores, axis=-1)
   out = matmul(probabilities, V)         V [*batch, keys, values]
 and, where it is out's only use and keeps the columns last, a permute_dims of out (attention's
@@ -19,7 +20,8 @@ Whole models, VM time, medians of 9 alternating turns (Zen 4, 2 threads), three 
 torch_transformer_layers 24.5 -> 23.1 us at 3x12x32, speech_encoder 26.8 -> 23.8 us at 2x77x40,
 8.6 -> 7.6 us at 1x40x40 (bench/ab_revisions.py).
 Limits: fp32; the batch axes of Q, K and V equal (no broadcasting); static heads of at most
-MAX_HEAD_WIDTH; a mask or any other op between the matmuls keeps the three kernels.
+MAX_HEAD_WIDTH; any other op between the matmuls (a mask by `where`, a scale after the mask)
+keeps the three kernels.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ OPAQUE = 8
 
 @dataclass(frozen=True)
 class _Attention:
-    operands: tuple[StridedView, StridedView, StridedView]  # Q, K (not K^T), V
+    operands: tuple[StridedView, ...]  # Q, K (not K^T), V, and a mask where there is one
     scales: tuple[tuple[relax.Expr, str], ...]  # (one-element tensor, MULTIPLY or DIVIDE)
 
 
@@ -145,9 +147,11 @@ def _attentions(func: relax.Function) -> dict[relax.Var, _Attention]:
                 and int(value.attrs.axis) % len(value.args[0].ty.shape.values)
                 == len(value.args[0].ty.shape.values) - 1):
             continue
-        scores, scale = _unscaled(value.args[0], bindings)
-        chain = [scores, value.args[0], probabilities] if scale is not None \
-            else [scores, probabilities]
+        logits = value.args[0]
+        masked, mask = _unmasked(logits, bindings)
+        scores, scale = _unscaled(masked, bindings)
+        chain = [scores, *([masked] if scale is not None else []),
+                 *([logits] if mask is not None else []), probabilities]
         if not all(_same(only_user(var), user) for var, user in zip(chain, chain[1:])):
             continue
         product = bindings.get(scores)
@@ -160,10 +164,50 @@ def _attentions(func: relax.Function) -> dict[relax.Var, _Attention]:
         (queries, query_scale), (keys_transposed, key_scale) = (
             _unscaled(operand, bindings) for operand in product.args)
         operands = _operand_views(queries, keys_transposed, weighted.args[1], bindings)
-        if operands is not None and _shapes_fit(*operands):
-            scales = tuple(found for found in (query_scale, key_scale, scale) if found is not None)
-            attentions[out] = _Attention(operands, scales)
+        if operands is None or not _shapes_fit(*operands):
+            continue
+        if mask is not None:
+            mask_view = _broadcast(strided_view(mask, bindings), logits.ty.shape.values)
+            if mask_view is None:
+                continue
+            operands = (*operands, mask_view)
+        scales = tuple(found for found in (query_scale, key_scale, scale) if found is not None)
+        attentions[out] = _Attention(operands, scales)
     return attentions
+
+
+def _unmasked(logits: relax.Expr, bindings) -> tuple[relax.Expr, relax.Expr | None]:
+    """(the scores before an added float32 mask, the mask), or (`logits`, None) where nothing
+    is added to them. The scores are the operand of the logits' shape bound to a matmul or a
+    scaling of one; the mask may broadcast."""
+    value = bindings.get(logits)
+    if not _is_call(value, "relax.add"):
+        return logits, None
+    for scores, mask in (value.args, reversed(value.args)):
+        if (_is_fp32(mask) and _is_fp32(scores)
+                and any(_is_call(bindings.get(scores), name) for name in
+                        ("relax.matmul", "relax.multiply", "relax.divide"))):
+            return scores, mask
+    return logits, None
+
+
+def _broadcast(view: StridedView, shape) -> StridedView | None:
+    """`view` broadcast to `shape` (axes it lacks or has as 1 read at stride 0), else None."""
+    missing = len(shape) - len(view.shape)
+    if missing < 0:
+        return None
+    analyzer = tvm.sym.Analyzer()
+    zero = tirx.const(0, "int64")
+    strides = []
+    for dim, stride, wanted in zip((*[None] * missing, *view.shape),
+                                   (*[zero] * missing, *view.strides), shape):
+        if dim is not None and analyzer.can_prove_equal(dim, wanted):
+            strides.append(stride)
+        elif dim is None or analyzer.can_prove_equal(dim, 1):
+            strides.append(zero)
+        else:
+            return None
+    return StridedView(view.source, view.offset, tuple(shape), tuple(strides))
 
 
 def _operand_views(queries, keys_transposed, values, bindings):

@@ -10,8 +10,9 @@ lane of its own:
 - the tile's queries, element by element, gathered into vectors (rows of Q^T) that stay in
   registers;
 - for each key: the key's score against every query of the tile, a multiply-add per element of
-  the key, broadcast, into that element's vector; scaled; kept in a scratch row of `keys`
-  vectors, and the maximum so far taken lane by lane;
+  the key, broadcast, into that element's vector; scaled; the mask added (a number broadcast
+  where all queries share its row, else the tile's queries' elements); kept in a scratch row
+  of `keys` vectors, and the maximum so far taken lane by lane;
 - for each key: exp(score - maximum) in place, summed lane by lane;
 - the weighted sum of V's rows, a chunk of its columns at a time in registers
   (`value_chunks`), a multiply-add of
@@ -67,15 +68,18 @@ class OperandLayout:
             operator.add, [i * stride for i, stride in zip(index, self.strides)])
 
 
-def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scales: te.Tensor,
-              layouts: tuple[OperandLayout, OperandLayout, OperandLayout], scale_ops: list[str],
+def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *rest: te.Tensor,
+              layouts: tuple[OperandLayout, ...], scale_ops: list[str],
               out_axes: tuple[int, ...] | None) -> te.Tensor:
-    """softmax(Q K^T (x or / scale)) V over the last axis, each operand read from the tensor
-    given for it as its layout says (Q [*batch, queries, depth], K [*batch, keys, depth],
-    V [*batch, keys, values]). The scores are multiplied or divided (`scale_ops`) by each of
-    `scales`, tensors of one element, in turn (a Q and a K scaled each, as
-    nn.MultiheadAttention's export does, scale the scores by both). `out_axes`: the result's
-    axes in the order it holds them, the columns last (None: in order)."""
+    """softmax(Q K^T (x or / scale) (+ mask)) V over the last axis, each operand read from the
+    tensor given for it as its layout says (Q [*batch, queries, depth], K [*batch, keys, depth],
+    V [*batch, keys, values], and a fourth layout where a mask [*batch, queries, keys] follows
+    V, its broadcast axes at stride 0). The scores are multiplied or divided (`scale_ops`) by
+    each of the `scales` after it, tensors of one element, in turn (a Q and a K scaled each,
+    as nn.MultiheadAttention's export does, scale the scores by both), then the mask is added.
+    `out_axes`: the result's axes in the order it holds them, the columns last (None: in
+    order)."""
+    mask, scales = (rest[0], rest[1:]) if len(layouts) == 4 else (None, rest)
     q, k, v = (_operand(source, layout, name)
                for source, layout, name in zip((q, k, v), layouts, "qkv"))
     *batch, queries, depth = q.shape
@@ -90,6 +94,10 @@ def attention(q: te.Tensor, k: te.Tensor, v: te.Tensor, *scales: te.Tensor,
     scores = te.compute((*batch, queries, keys), score, name="attention_scores")
     for scale, op in zip(scales, scale_ops):
         scores = _scaled(scores, scale, op)
+    if mask is not None:
+        mask = _operand(mask, layouts[3], "mask")
+        scores = te.compute(scores.shape, lambda *index: scores(*index) + mask(*index),
+                            name="attention_masked")
     probabilities = topi.nn.softmax(scores, axis=-1)
     key = te.reduce_axis((0, keys), "key")
     order = list(out_axes) if out_axes is not None else list(range(len(batch) + 2))
@@ -136,12 +144,12 @@ def schedule_attention(func: tirx.PrimFunc, isa: VectorISA,
     if options is None:
         return None
     scale_ops = [str(op) for op in options["scale"]]
-    q, k, v, *rest = func.params
-    scales = rest[:len(scale_ops)]
-    out = rest[-1]  # after the layouts' scalars
     layouts = [OperandLayout(offset, tuple(shape), tuple(strides))
                for offset, shape, strides in options["layouts"]]
-    kernel = _Attention(q, k, v, *scales, out, layouts=layouts, scale_ops=scale_ops,
+    operands = func.params[:len(layouts)]
+    scales = func.params[len(layouts):len(layouts) + len(scale_ops)]
+    out = func.params[-1]  # after the layouts' scalars
+    kernel = _Attention(*operands, *scales, out, layouts=layouts, scale_ops=scale_ops,
                         out_axes=[int(axis) for axis in options["out_axes"]], lanes=isa.lanes)
     versions = [(condition, kernel.loop(parallel))
                 for parallel, condition in parallel_buckets(kernel.work(), min_parallel_work)]
@@ -161,12 +169,13 @@ def value_chunks(values: int, lanes: int) -> list[tuple[int, int]]:
 class _Attention:
     """The kernel's loop over tiles, for one version (serial or parallel)."""
 
-    def __init__(self, q: tirx.Buffer, k: tirx.Buffer, v: tirx.Buffer, *rest: tirx.Buffer,
-                 layouts: list[OperandLayout], scale_ops: list[str], out_axes: list[int],
-                 lanes: int):
-        *scales, out = rest
+    def __init__(self, *buffers: tirx.Buffer, layouts: list[OperandLayout],
+                 scale_ops: list[str], out_axes: list[int], lanes: int):
+        """`buffers`: Q, K, V, the mask where `layouts` has a fourth, each scale, the output."""
+        operands, scales, out = buffers[:len(layouts)], buffers[len(layouts):-1], buffers[-1]
         self.scales = list(zip(scales, scale_ops))
-        self.q_layout, self.k_layout, self.v_layout = layouts
+        self.q_layout, self.k_layout, self.v_layout, *mask_layout = layouts
+        self.mask_layout = mask_layout[0] if mask_layout else None
         *batch, self.queries, depth = self.q_layout.shape
         self.keys = self.k_layout.shape[-2]
         self.depth, self.values = int(depth), int(self.v_layout.shape[-1])
@@ -175,10 +184,11 @@ class _Attention:
         self.batch = batch
         self.entries = functools.reduce(operator.mul, batch, tirx.const(1, self.index_type))
         self.tiles = tirx.floordiv(self.queries + lanes - 1, lanes)
-        self.sources = (q, k, v, out)
-        self.q, self.k, self.v, self.out = (
-            tirx.decl_buffer((_size(buffer),), buffer.dtype, f"{buffer.name}_flat",
-                             data=buffer.data) for buffer in self.sources)
+        self.sources = (*operands, out)
+        self.views = [tirx.decl_buffer((_size(buffer),), buffer.dtype, f"{buffer.name}_flat",
+                                       data=buffer.data) for buffer in self.sources]
+        self.q, self.k, self.v, *mask, self.out = self.views
+        self.mask = mask[0] if mask else None
         order = out_axes or list(range(len(batch) + 2))
         out_shape = [[*batch, self.queries, self.values][axis] for axis in order]
         strides = [functools.reduce(operator.mul, out_shape[position + 1:],
@@ -197,7 +207,7 @@ class _Attention:
         task = tirx.Var("tile", self.index_type)
         kind = tirx.ForKind.PARALLEL if parallel else tirx.ForKind.SERIAL
         views = [tirx.DeclBuffer(view, data=source.data)
-                 for view, source in zip((self.q, self.k, self.v, self.out), self.sources)]
+                 for view, source in zip(self.views, self.sources)]
         return tirx.SeqStmt(views + [tirx.For(task, self._int(0), self.entries * self.tiles, kind,
                                               self._tile(task))])
 
@@ -217,16 +227,18 @@ class _Attention:
         # the tile's batch index, and where its entry starts in each operand and the output
         batch_index = [tirx.Var(f"batch{axis}", self.index_type)
                        for axis in range(len(self.batch))]
-        q_base, k_base, v_base, out_base = (tirx.Var(f"{name}_base", self.index_type)
-                                            for name in ("q", "k", "v", "out"))
+        q_base, k_base, v_base, mask_base, out_base = (
+            tirx.Var(f"{name}_base", self.index_type) for name in ("q", "k", "v", "mask", "out"))
+        starts = [(q_base, self.q_layout.offset, self.q_layout.strides),
+                  (k_base, self.k_layout.offset, self.k_layout.strides),
+                  (v_base, self.v_layout.offset, self.v_layout.strides),
+                  (out_base, self._int(0), self.out_strides)]
+        if self.mask is not None:
+            starts.append((mask_base, self.mask_layout.offset, self.mask_layout.strides))
         bases = [*[tirx.Bind(var, index) for var, index in zip(batch_index, self._unravel(entry))],
                  *[tirx.Bind(base, offset + sum((index * stride for index, stride
                                                  in zip(batch_index, strides)), self._int(0)))
-                   for base, offset, strides in (
-                       (q_base, self.q_layout.offset, self.q_layout.strides),
-                       (k_base, self.k_layout.offset, self.k_layout.strides),
-                       (v_base, self.v_layout.offset, self.v_layout.strides),
-                       (out_base, self._int(0), self.out_strides))]]
+                   for base, offset, strides in starts]]
         # the tile's queries as lanes, a row of Q^T per element: a whole tile's rows loaded as
         # vectors and transposed in registers; a partial tile's gathered, the lanes past the
         # last query repeating it
@@ -269,6 +281,17 @@ class _Attention:
                        for number, (_, op) in zip(numbers, self.scales)]
             scaling = [tirx.Bind(factor, functools.reduce(operator.mul, factors))]
             score = score * tirx.Broadcast(factor, lanes)
+        mask_rows = tirx.Var("mask_rows", f"{self.index_type}x{lanes}")
+        masking = []
+        if self.mask is not None:
+            mask_row_stride, mask_key_stride = self.mask_layout.strides[-2:]
+            at_mask_key = mask_base + key * mask_key_stride
+            if _is_constant(mask_row_stride, 0):  # one mask row for all queries: a number a key
+                score = score + tirx.Broadcast(tirx.BufferLoad(self.mask, [at_mask_key]), lanes)
+            else:  # the tile's queries' rows, the lanes past the last query repeating it
+                masking = [tirx.Bind(mask_rows, clamped * tirx.Broadcast(mask_row_stride, lanes))]
+                score = score + tirx.BufferLoad(
+                    self.mask, [tirx.Broadcast(at_mask_key, lanes) + mask_rows])
         key_score = tirx.Var("key_score", f"{dtype}x{lanes}")
         scores_pass = tirx.For(key, self._int(0), self.keys, tirx.ForKind.SERIAL, tirx.SeqStmt([
             tirx.Bind(key_score, score),
@@ -288,6 +311,7 @@ class _Attention:
             *bases,
             *gathers,
             *scaling,
+            *masking,
             tirx.AllocBuffer(scores), tirx.AllocBuffer(peak), tirx.AllocBuffer(total),
             tirx.BufferStore(peak, tirx.Broadcast(lowest, lanes), [vector]),
             scores_pass,

@@ -1,7 +1,8 @@
 """softmax(Q K^T x scale) V as one kernel (passes/fuse_attention.py, schedules/attention.py)
 matches onnxruntime in every version: serial and parallel (the knob databases), whole and partial
 query tiles, every query and key count up to two tiles and one more, keys as K or K^T, scaled
-or not, the head merge done by its stores or not, V's columns in one chunk or several."""
+or not, masked or not, the head merge done by its stores or not, V's columns in one chunk or
+several, the heads read from a QKV projection."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ LANES = isa_for_target(resolve_target("host").tvm_target).lanes
 
 
 def attention_model(batch=(2, 3), depth=8, values=8, keys_as_rows=True, scale="Div",
-                    perm=None, output_probabilities=False) -> onnx.ModelProto:
-    """softmax(q k^T (scale) c) v over [*batch, queries, depth] queries and [*batch, keys, ...]
-    keys and values: k given as K (transposed in the graph) or as K^T; c a constant, or a
-    run-time input for scale "DivInput"; the result transposed by `perm`;
+                    perm=None, output_probabilities=False, mask=None) -> onnx.ModelProto:
+    """softmax(q k^T (scale) c (+ mask)) v over [*batch, queries, depth] queries and
+    [*batch, keys, ...] keys and values: k given as K (transposed in the graph) or as K^T; c a
+    constant, or a run-time input for scale "DivInput"; `mask` the shape of an added mask
+    input, broadcast to the scores (None: no mask); the result transposed by `perm`;
     `output_probabilities`: the softmax is an output of its own too (nothing fuses)."""
     b = list(batch)
     axes = list(range(len(b)))
@@ -50,6 +52,10 @@ def attention_model(batch=(2, 3), depth=8, values=8, keys_as_rows=True, scale="D
         op = "Mul" if scale == "Mul" else "Div"
         nodes.append(helper.make_node(op, ["scores", "c"], ["scaled"]))
         scores = "scaled"
+    if mask is not None:
+        inputs.append(helper.make_tensor_value_info("mask", TensorProto.FLOAT, mask))
+        nodes.append(helper.make_node("Add", [scores, "mask"], ["masked"]))
+        scores = "masked"
     nodes.append(helper.make_node("Softmax", [scores], ["p"], axis=-1))
     nodes.append(helper.make_node("MatMul", ["p", "v"], ["o" if perm else "y"]))
     out_shape = b + ["queries", values]
@@ -101,6 +107,9 @@ CASES = {
     "wide-heads": dict(batch=(2,), depth=40, values=2 * value_chunks(10 ** 6, LANES)[0][1] + 3,
                        perm=[1, 0, 2]),
     "narrow-heads": dict(batch=(2, 2), depth=3, values=1),
+    "padding-mask": dict(batch=(2, 3), mask=[2, 1, 1, "keys"], perm=[0, 2, 1, 3]),
+    "query-key-mask": dict(batch=(3,), mask=["queries", "keys"], scale="Mul"),
+    "full-mask-unscaled": dict(batch=(2,), mask=[2, "queries", "keys"], scale=None),
 }
 
 
@@ -110,7 +119,9 @@ def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, monke
     partial tile against many keys and a whole one against few: no softmax or matmul kernel
     is left (the one attention kernel does it all), and the outputs match onnxruntime. Wide
     heads, which FuseAttention leaves to the GEMM kernels, are fused with its limit raised:
-    the kernel's query rows out of registers, V's columns in several chunks."""
+    the kernel's query rows out of registers, V's columns in several chunks. An added mask is
+    read broadcast: one row for every query (padding), a row per query, or a mask per batch
+    entry."""
     monkeypatch.setattr(fuse_attention, "MAX_HEAD_WIDTH", 1000)
     model = attention_model(**CASES[case])
     options = PipelineOptions(knob_database=knob_database)
@@ -130,9 +141,9 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
     do (a reshape to [batch, sequence, 3, heads, depth], a transpose putting the 3 first, then
     a Slice and a Squeeze, a Split and Squeezes, or a Gather at 0, 1 and 2), or through three
     projections (cut "separate", as BERT's: each reshaped to [batch, sequence, heads, depth]
-    and transposed), attention per head, the heads merged back. The scores are divided by sqrt(depth), or with
-    `operands_scaled` Q and K^T are each multiplied by a [1] tensor of depth^-1/4, as
-    nn.MultiheadAttention's export does."""
+    and transposed), attention per head, the heads merged back. The scores are divided by
+    sqrt(depth), or with `operands_scaled` Q and K^T are each multiplied by a [1] tensor of
+    depth^-1/4, as nn.MultiheadAttention's export does."""
     rng = np.random.default_rng(1)
     width = heads * depth
     initializers = [
