@@ -409,6 +409,65 @@ def torch_transformer_layers() -> onnx.ModelProto:
     return _export(encoder, (x,), ["x"], ["y"], {"x": {0: "batch", 1: "sequence"}}, dynamo=True)
 
 
+def bert_encoder() -> onnx.ModelProto:
+    """BERT's encoder as Hugging Face writes it (two post-norm layers of width 32, 4 heads of 8,
+    GELU MLP of 64), exported by dynamo: separate Q, K and V projections, each reshaped to
+    heads and transposed, and the padding mask turned into an added one, (1 - mask) x -10000
+    broadcast over heads and queries. Batch and sequence length are dynamic."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(5)
+    width, heads = 32, 4
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.key, self.value, self.output = (nn.Linear(width, width)
+                                                             for _ in range(4))
+            self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                     nn.Linear(2 * width, width))
+
+        def split(self, x):
+            batch, length, _ = x.shape
+            return x.reshape(batch, length, heads, width // heads).transpose(1, 2)
+
+        def forward(self, x, added_mask):
+            q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+            scores = q @ k.transpose(-1, -2) / (width // heads) ** 0.5 + added_mask
+            mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape)
+            x = self.norm1(x + self.output(mixed))
+            return self.norm2(x + self.mlp(x))
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, width)
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, tokens, mask):
+            added_mask = (1.0 - mask[:, None, None, :].float()) * -10000.0
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x, added_mask)
+            return x
+
+    tokens, mask = torch.randint(0, 100, (2, 7)), torch.ones(2, 7, dtype=torch.int64)
+    axes = {0: "batch", 1: "sequence"}
+    return _export(Encoder(), (tokens, mask), ["tokens", "mask"], ["hidden"],
+                   {"tokens": axes, "mask": axes, "hidden": axes}, dynamo=True)
+
+
+def _padded_token_feeds(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Token ids, and a padding mask whose entry b keeps the first sequence - b tokens (at least
+    one)."""
+    batch, length = shapes["tokens"]
+    kept = np.maximum(length - np.arange(batch), 1)
+    return {**_token_feeds(shapes),
+            "mask": (np.arange(length)[None, :] < kept[:, None]).astype(np.int64)}
+
+
 def mobilenet_v2() -> onnx.ModelProto:
     """MobileNetV2 at full size (width 1.0, Sandler et al. 2018, torchvision's layer table:
     3.5 M parameters, 0.3 GMAC at 224 x 224) with random weights and batch-norm statistics:
@@ -519,6 +578,9 @@ _MODELS = [
     ZooModel(name="torch_transformer_layers", build=torch_transformer_layers, feeds=None,
              dynamic=True, shape_sets=[{"x": (1, 5, 32)}, {"x": (3, 12, 32)}],
              description="PyTorch nn.TransformerEncoder (fused MHA) exported by dynamo"),
+    ZooModel(name="bert_encoder", build=bert_encoder, feeds=_padded_token_feeds, dynamic=True,
+             shape_sets=[{"tokens": (1, 5), "mask": (1, 5)}, {"tokens": (3, 16), "mask": (3, 16)}],
+             description="BERT-style encoder (separate Q/K/V, padding mask) exported by dynamo"),
     ZooModel(name="mobilenet_v2", build=mobilenet_v2, feeds=None, dynamic=True,
              shape_sets=[{"image": (1, 3, 224, 224)}, {"image": (2, 3, 160, 128)}],
              description="MobileNetV2 at full size (3.5 M parameters), dynamic batch/H/W"),
