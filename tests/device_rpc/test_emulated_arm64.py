@@ -6,6 +6,7 @@ wheel, ~3 minutes; cached in ~/.cache/tightfit afterwards).
 """
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -266,24 +267,28 @@ def test_kernel_choices_timed_on_the_emulated_device_decide_the_arm64_build(trac
     assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
 
-@pytest.mark.parametrize("heads, kernel", [(4, "attention"), (2, "matmul_packed_rhs")],
-                         ids=["fused-attention", "gemm-attention"])
-def test_transformer_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm64_device, heads,
+@pytest.mark.parametrize("build, kernel", [
+    (functools.partial(zoo.transformer_encoder, dynamo=True, heads=4), "attention"),
+    (functools.partial(zoo.transformer_encoder, dynamo=True, heads=2), "matmul_packed_rhs"),
+    (zoo.bert_encoder, "attention")], ids=["fused-attention", "gemm-attention", "bert-masked"])
+def test_transformer_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm64_device, build,
                                                                    kernel):
-    """A two-layer encoder of width 32: heads of 8 run as one attention kernel (queries in
+    """Two-layer encoders of width 32: heads of 8 run as one attention kernel (queries in
     NEON's 4 lanes, their tiles transposed by shuffles, Q, K and V read from the QKV
-    projection at a stride of 96 per row), heads of 16 as the GEMM kernels (K^T packed from K,
-    the head merge done by the PV product's stores); dense layers, layer norm, softmax and
-    GELU in 4-lane vectors too. Sequences under, at and past one and two query
-    tiles."""
-    model = zoo.transformer_encoder(dynamo=True, heads=heads)
+    projection at a stride of 96 per row; in bert_encoder from three projections, with its
+    padding mask added), heads of 16 as the GEMM kernels (K^T packed from K, the head merge
+    done by the PV product's stores); dense layers, layer norm, softmax and GELU in 4-lane
+    vectors too. Sequences under, at and past one and two query tiles."""
+    model = build()
     scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("emulated-arm64"),
                                 stop_after="tightfit.FallbackCPUSchedule")
     names = [global_var.name_hint for global_var in scheduled.functions]
     assert any(name.startswith(kernel) for name in names), names
     session = tightfit.compile(model, "emulated-arm64").remote_session(str(tracker), arm64_device)
     for batch, sequence in ((1, 1), (2, 3), (1, 4), (2, 5), (1, 8), (3, 9)):
-        feeds = {"tokens": np.random.default_rng(sequence).integers(0, 100, (batch, sequence))}
+        # token ids, and a padding mask for the model that takes one
+        feeds = zoo.get("bert_encoder").feeds({"tokens": (batch, sequence)})
+        feeds = {value.name: feeds[value.name] for value in model.graph.input}
         assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4, (batch, sequence)
 
 
