@@ -12,9 +12,10 @@ and, where it is out's only use and keeps the columns last, a permute_dims of ou
 head merge), which the kernel's stores do. Q, K^T and V are each read from the farthest tensor
 they are a layout of (passes/strided_views.py): a K^T made by permute_dims(K) from K, the
 heads that a reshape, a transpose and a slice, split or take cut from a QKV projection from
-the projection, so none of those copies is made. The kernel (schedules/attention.py) never
-writes the scores out; it is emitted as its TE definition, marked, and ScheduleKernels gives it
-its body.
+the projection, so none of those copies is made; three projections of one input that give Q,
+K and V are merged into one GEMM first (passes/merged_projections.py: bert_encoder 5.30 ->
+5.00 us at 1x5). The kernel (schedules/attention.py) never writes the scores out; it is
+emitted as its TE definition, marked, and ScheduleKernels gives it its body.
 
 Whole models, VM time, medians of 9 alternating turns (Zen 4, 2 threads), three kernels -> one:
 torch_transformer_layers 24.5 -> 23.1 us at 3x12x32, speech_encoder 26.8 -> 23.8 us at 2x77x40,
@@ -26,14 +27,16 @@ keeps the three kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import tvm
 from tvm import relax, tirx
 
 from ..schedules.attention import ATTENTION_ATTR, DIVIDE, MULTIPLY, OperandLayout, attention
-from ..schedules.kernel_call import emit_kernel
+from ..schedules.kernel_call import WeightOnly, emit_kernel
 from ..schedules.row_chunks import substitute
+from .merged_projections import Projection, emit_merged, shared_projections, view_in_merged
 from .permute_patterns import permutes_of_single_use
 from .strided_views import StridedView, strided_view
 
@@ -53,6 +56,8 @@ OPAQUE = 8
 @dataclass(frozen=True)
 class _Attention:
     operands: tuple[StridedView, ...]  # Q, K (not K^T), V, and a mask where there is one
+    # where Q, K and V are three projections of one input (merged_projections.py)
+    projections: list[Projection] | None
     scales: tuple[tuple[relax.Expr, str], ...]  # (one-element tensor, MULTIPLY or DIVIDE)
 
 
@@ -60,7 +65,8 @@ class _Attention:
 class _AttentionRewriter(relax.PyExprMutator):
     def __init__(self, mod, func):
         super().__init__(mod)
-        self.attentions = _attentions(func)
+        self.weight_only = WeightOnly(func)
+        self.attentions = _attentions(func, self.weight_only)
         self.permutes = permutes_of_single_use(func)
         # a permute_dims that the kernel's stores do -> the kernel's result
         self.done_by_stores: dict[relax.Var, relax.Var] = {}
@@ -74,11 +80,12 @@ class _AttentionRewriter(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             return
         permute = self.permutes.get(binding.var)
+        operands = self._operands(found)
         scalars = _KernelScalars()
         layouts = tuple(OperandLayout(scalars.of(view.offset), tuple(map(scalars.of, view.shape)),
                                       tuple(map(scalars.of, view.strides)))
-                        for view in found.operands)
-        args = [*(self.visit_expr(view.source) for view in found.operands),
+                        for view in operands)
+        args = [*(self.visit_expr(view.source) for view in operands),
                 *(self.visit_expr(scale) for scale, _ in found.scales)]
         scale_ops = [op for _, op in found.scales]
         options = {"layouts": [[layout.offset, list(layout.shape), list(layout.strides)]
@@ -93,6 +100,22 @@ class _AttentionRewriter(relax.PyExprMutator):
             self.done_by_stores[permute.var] = new_var
             return
         self.set_var_remap(binding.var, new_var)
+
+    def _operands(self, found: _Attention) -> tuple[StridedView, ...]:
+        """The attention's operand views; Q, K and V read from their projections merged into
+        one where they are three projections of one input and each view moves to its columns."""
+        if found.projections is None:
+            return found.operands
+        total = sum(projection.columns for projection in found.projections)
+        starts = [sum(projection.columns for projection in found.projections[:index])
+                  for index in range(len(found.projections))]
+        moved = [view_in_merged(view, start, projection.columns, total)
+                 for view, start, projection in zip(found.operands, starts, found.projections)]
+        if any(view is None for view in moved):
+            return found.operands
+        merged = emit_merged(self.builder_, found.projections, self.visit_expr, self.weight_only)
+        return (*[dataclasses.replace(view, source=merged) for view in moved],
+                *found.operands[3:])
 
 
 class _KernelScalars:
@@ -120,7 +143,7 @@ class _KernelScalars:
 class FuseAttention:
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         for global_var, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function) or not _attentions(func):
+            if not isinstance(func, relax.Function) or not _attentions(func, WeightOnly(func)):
                 continue
             rewriter = _AttentionRewriter(mod, func)
             new_func = rewriter.visit_expr(func)
@@ -129,7 +152,7 @@ class FuseAttention:
         return mod
 
 
-def _attentions(func: relax.Function) -> dict[relax.Var, _Attention]:
+def _attentions(func: relax.Function, weight_only: WeightOnly) -> dict[relax.Var, _Attention]:
     """The weighted sum's var of each attention chain (module docstring) -> its operands."""
     bindings = relax.analysis.get_var2val(func)
     users = {var: var_users for block in func.body.blocks
@@ -172,7 +195,8 @@ def _attentions(func: relax.Function) -> dict[relax.Var, _Attention]:
                 continue
             operands = (*operands, mask_view)
         scales = tuple(found for found in (query_scale, key_scale, scale) if found is not None)
-        attentions[out] = _Attention(operands, scales)
+        projections = shared_projections(list(operands[:3]), bindings, users, weight_only)
+        attentions[out] = _Attention(operands, projections, scales)
     return attentions
 
 

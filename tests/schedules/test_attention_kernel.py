@@ -76,7 +76,8 @@ def feeds_for(model: onnx.ModelProto, queries: int, keys: int, seed: int = 0) ->
     sizes = {"queries": queries, "keys": keys}
     feeds = {}
     for value_info in model.graph.input:
-        shape = [sizes.get(dim.dim_param, dim.dim_value) for dim in value_info.type.tensor_type.shape.dim]
+        shape = [sizes.get(dim.dim_param, dim.dim_value)
+                 for dim in value_info.type.tensor_type.shape.dim]
         feeds[value_info.name] = (rng.standard_normal(shape) * 1.5).astype(np.float32)
     if "c" in feeds:
         feeds["c"] = np.array(0.4, np.float32)
@@ -140,10 +141,10 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
     """x [batch, sequence, width] through one QKV projection, its heads cut off as exporters
     do (a reshape to [batch, sequence, 3, heads, depth], a transpose putting the 3 first, then
     a Slice and a Squeeze, a Split and Squeezes, or a Gather at 0, 1 and 2), or through three
-    projections (cut "separate", as BERT's: each reshaped to [batch, sequence, heads, depth]
-    and transposed), attention per head, the heads merged back. The scores are divided by
-    sqrt(depth), or with `operands_scaled` Q and K^T are each multiplied by a [1] tensor of
-    depth^-1/4, as nn.MultiheadAttention's export does."""
+    projections with biases (cut "separate", as BERT's: each reshaped to [batch, sequence,
+    heads, depth] and transposed), attention per head, the heads merged back. The scores are
+    divided by sqrt(depth), or with `operands_scaled` Q and K^T are each multiplied by a [1]
+    tensor of depth^-1/4, as nn.MultiheadAttention's export does."""
     rng = np.random.default_rng(1)
     width = heads * depth
     initializers = [
@@ -177,7 +178,11 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
             initializers.append(numpy_helper.from_array(
                 numpy_helper.to_array(initializers[0])[:, index * width:(index + 1) * width],
                 f"w{index}"))
-            nodes += [helper.make_node("MatMul", ["x", f"w{index}"], [f"{name}_projected"]),
+            initializers.append(numpy_helper.from_array(
+                rng.standard_normal(width).astype(np.float32), f"b{index}"))
+            nodes += [helper.make_node("MatMul", ["x", f"w{index}"], [f"{name}_product"]),
+                      helper.make_node("Add", [f"{name}_product", f"b{index}"],
+                                       [f"{name}_projected"]),
                       helper.make_node("Reshape", [f"{name}_projected", "head_shape"],
                                        [f"{name}_heads"]),
                       helper.make_node("Transpose", [f"{name}_heads"], [name], perm=[0, 2, 1, 3])]
@@ -207,8 +212,8 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
                                  "separate"])
 def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
     """Q, K and V that a reshape, a transpose and a slice, split or gather cut from one QKV
-    projection are read from the projection itself, at strides of 3 x width per query (from
-    each of three projections, at strides of width, where the model has three), and a
+    projection are read from the projection itself, at strides of 3 x width per query (three
+    projections of the same input, weights and biases, are merged into that one), and a
     Q and a K^T each scaled by one number scale the scores: no copy or multiply kernel is left
     between the projection and the attention kernel, and every sequence up to two query tiles
     and one more matches onnxruntime, for one and three batch entries."""
@@ -218,6 +223,8 @@ def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
     assert any(name.startswith("attention") for name in names), names
     assert not any(op in name for name in names
                    for op in ("slice", "split", "take", "transpose", "squeeze", "multiply")), names
+    # three projections of x are merged into one GEMM (merged_projections.py)
+    assert sum("dense" in name or "matmul" in name for name in names) == 1, names
     session = tightfit.compile(model, options=options).session()
     for batch in (1, 3):
         for sequence in range(1, 2 * LANES + 2):
