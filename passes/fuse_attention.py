@@ -203,16 +203,24 @@ def _attentions(func: relax.Function, weight_only: WeightOnly) -> dict[relax.Var
 def _unmasked(logits: relax.Expr, bindings) -> tuple[relax.Expr, relax.Expr | None]:
     """(the scores before an added float32 mask, the mask), or (`logits`, None) where nothing
     is added to them. The scores are the operand of the logits' shape bound to a matmul or a
-    scaling of one; the mask may broadcast."""
+    scaling of one; the mask may broadcast to them, not them to it (the kernel's batch is
+    Q's)."""
     value = bindings.get(logits)
     if not _is_call(value, "relax.add"):
         return logits, None
     for scores, mask in (value.args, reversed(value.args)):
-        if (_is_fp32(mask) and _is_fp32(scores)
+        if (_is_fp32(mask) and _is_fp32(scores) and _same_shape(scores, logits)
                 and any(_is_call(bindings.get(scores), name) for name in
                         ("relax.matmul", "relax.multiply", "relax.divide"))):
             return scores, mask
     return logits, None
+
+
+def _same_shape(tensor, other) -> bool:
+    shape, other_shape = tensor.ty.shape.values, other.ty.shape.values
+    analyzer = tvm.sym.Analyzer()
+    return len(shape) == len(other_shape) and all(
+        analyzer.can_prove_equal(dim, other_dim) for dim, other_dim in zip(shape, other_shape))
 
 
 def _broadcast(view: StridedView, shape) -> StridedView | None:

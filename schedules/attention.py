@@ -46,8 +46,8 @@ from .dispatch import MAC_WORK_DIVISOR, nested_ifs, parallel_buckets
 from .isa import FP32_BYTES, MAX_STACK_ALLOCA_BYTES, VectorISA
 from .row_kernels import fast_exp
 
-# The PrimFunc attribute that marks the kernel: {"layouts": [[offset, shape, strides]] of Q, K
-# and V, "scale": the op of each scale factor, "out_axes"}
+# The PrimFunc attribute that marks the kernel: {"layouts": [[offset, shape, strides]] of Q, K,
+# V and the mask where there is one, "scale": the op of each scale factor, "out_axes"}
 ATTENTION_ATTR = "tightfit.attention"
 MULTIPLY = "multiply"
 DIVIDE = "divide"
@@ -235,7 +235,7 @@ class _Attention:
                   (out_base, self._int(0), self.out_strides)]
         if self.mask is not None:
             starts.append((mask_base, self.mask_layout.offset, self.mask_layout.strides))
-        bases = [*[tirx.Bind(var, index) for var, index in zip(batch_index, self._unravel(entry))],
+        bases = [*[tirx.Bind(var, index) for var, index in zip(batch_index, self._batch_index(entry))],
                  *[tirx.Bind(base, offset + sum((index * stride for index, stride
                                                  in zip(batch_index, strides)), self._int(0)))
                    for base, offset, strides in starts]]
@@ -281,7 +281,6 @@ class _Attention:
                        for number, (_, op) in zip(numbers, self.scales)]
             scaling = [tirx.Bind(factor, functools.reduce(operator.mul, factors))]
             score = score * tirx.Broadcast(factor, lanes)
-        mask_rows = tirx.Var("mask_rows", f"{self.index_type}x{lanes}")
         masking = []
         if self.mask is not None:
             mask_row_stride, mask_key_stride = self.mask_layout.strides[-2:]
@@ -289,6 +288,7 @@ class _Attention:
             if _is_constant(mask_row_stride, 0):  # one mask row for all queries: a number a key
                 score = score + tirx.Broadcast(tirx.BufferLoad(self.mask, [at_mask_key]), lanes)
             else:  # the tile's queries' rows, the lanes past the last query repeating it
+                mask_rows = tirx.Var("mask_rows", f"{self.index_type}x{lanes}")
                 masking = [tirx.Bind(mask_rows, clamped * tirx.Broadcast(mask_row_stride, lanes))]
                 score = score + tirx.BufferLoad(
                     self.mask, [tirx.Broadcast(at_mask_key, lanes) + mask_rows])
@@ -374,7 +374,7 @@ class _Attention:
                 accumulate,
                 tirx.IfThenElse(first + lanes <= self.queries, whole, partial)]
 
-    def _unravel(self, entry) -> list:
+    def _batch_index(self, entry) -> list:
         """The batch index of batch entry `entry` (the outermost axis needs no modulo: entry is
         below the entries' count, and a division by a run-time extent costs tens of cycles)."""
         index, rest = [], entry
