@@ -235,7 +235,8 @@ class _Attention:
                   (out_base, self._int(0), self.out_strides)]
         if self.mask is not None:
             starts.append((mask_base, self.mask_layout.offset, self.mask_layout.strides))
-        bases = [*[tirx.Bind(var, index) for var, index in zip(batch_index, self._batch_index(entry))],
+        bases = [*[tirx.Bind(var, index)
+                   for var, index in zip(batch_index, self._batch_index(entry))],
                  *[tirx.Bind(base, offset + sum((index * stride for index, stride
                                                  in zip(batch_index, strides)), self._int(0)))
                    for base, offset, strides in starts]]
