@@ -15,6 +15,9 @@ PrimFuncs without a kernel block are left to the fallback schedule.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import tvm
 from tvm import s_tir, tirx
 
@@ -259,12 +262,24 @@ def inline_epilogue(sch: s_tir.Schedule, out_block):
     _inline_forward_after(sch, out_block)
     while True:
         consumers = sch.get_consumers(out_block)
-        if len(consumers) != 1 or STAGE_ANNOTATION in sch.get(consumers[0]).annotations:
+        if (len(consumers) != 1 or STAGE_ANNOTATION in sch.get(consumers[0]).annotations
+                or not _writes_as_many(sch, consumers[0], out_block)):
             return out_block
         try:
             sch.reverse_compute_inline(consumers[0])
         except s_tir.ScheduleError:
             return out_block
+
+
+def _writes_as_many(sch: s_tir.Schedule, consumer, producer) -> bool:
+    """Whether `consumer` writes as many elements as `producer` (a transposed or reshaped copy
+    of them, or the same shape). One that broadcasts the product up (a [1,h,q,k] matmul plus a
+    [b,h,q,k] mask) visits each product more than once, so it cannot become the producer's
+    store; TVM's reverse_compute_inline fails on it with an internal error, not a
+    ScheduleError."""
+    def elements(block):
+        return functools.reduce(operator.mul, sch.get(block).writes[0].source.shape, 1)
+    return tvm.sym.Analyzer().can_prove_equal(elements(consumer), elements(producer))
 
 
 def _inline_forward_after(sch: s_tir.Schedule, out_block) -> None:

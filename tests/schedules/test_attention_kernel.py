@@ -254,12 +254,15 @@ def test_an_attention_whose_steps_are_needed_elsewhere_keeps_its_kernels(change)
 
 def test_a_mask_that_broadcasts_the_scores_up_is_not_fused():
     """A mask of more batch axes than the scores makes the softmax's rows more than the
-    kernel's (its batch is Q's): the attention stays unfused (it failed to compile, fused)."""
+    kernel's (its batch is Q's): the attention stays unfused (it failed to compile, fused), and
+    its scores' add runs after the GEMM kernel, not in its write-back."""
     model = attention_model(batch=(2, 3), mask=[5, 2, 3, "queries", "keys"])
     fused, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), PipelineOptions(),
                             stop_after="tightfit.FuseAttention")
     assert not any(global_var.name_hint.startswith("attention")
                    for global_var in fused.functions), fused.functions.keys()
+    session = tightfit.compile(model).session()
+    assert_matches(model, session, LANES + 1, 7)
 
 
 @pytest.fixture(scope="module")

@@ -367,6 +367,26 @@ def test_an_epilogue_reading_a_value_twice_is_computed_in_the_write_back(knob_da
                                register_tile_edges(host_rows(40)))
 
 
+def test_an_add_that_broadcasts_the_product_up_stays_outside_the_write_back(knob_database):
+    """[1,3,m,8] @ [1,3,8,12] + [2,3,m,12]: the add visits every product twice, so it cannot be
+    the kernel's store (ScheduleKernels failed on it with "Cannot dispatch a null
+    expression"); it runs as a loop of its own over the kernel's output, at every row bucket
+    edge."""
+    model = _model("broadcast_up", [helper.make_node("MatMul", ["a", "b"], ["p"]),
+                                    helper.make_node("Add", ["p", "mask"], ["y"])],
+                   [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 3, "m", 8]),
+                    helper.make_tensor_value_info("b", TensorProto.FLOAT, [1, 3, 8, 12]),
+                    helper.make_tensor_value_info("mask", TensorProto.FLOAT, [2, 3, "m", 12])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, "m", 12])], [])
+    kernel = _scheduled_kernel(model, "matmul_packed_rhs", knob_database)
+    assert re.search(r'T\.sblock\("T_add', kernel), "the add is not a loop of its own"
+    assert_matches_onnxruntime(
+        model, "matmul_packed_rhs", knob_database,
+        lambda m: {"a": _normal(1, 3, m, 8), "b": _normal(1, 3, 8, 12),
+                   "mask": _normal(2, 3, m, 12)},
+        register_tile_edges(host_rows(12)))
+
+
 def test_skinny_dense_spends_the_registers_on_vectors_and_runs_over_panels(knob_database):
     """A GEMV-like layer (one row: a classifier at batch 1) in panels of up to 8 vectors, as
     many independent FMA chains as the registers hold (8 on AVX-512, 7 of AVX2's 16 registers),
