@@ -33,7 +33,9 @@ def shared_projections(views: list[StridedView], bindings: dict, users: dict,
     """The projections of one input that `views`' distinct sources each are, used by nothing
     but the chain to their view, all with a bias or none; None where they are not."""
     sources = [view.source for view in views]
-    if len({id(source) for source in sources}) != len(sources) or not all(
+    # Relax nodes hash and compare by the node: views of one source (heads cut from one QKV
+    # projection) already read a single GEMM
+    if len(set(sources)) != len(sources) or not all(
             isinstance(source, relax.DataflowVar) and len(users.get(source, [])) == 1
             for source in sources):
         return None

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
+import tvm
+from tvm import relax
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
@@ -89,6 +91,21 @@ def kernel_names(model: onnx.ModelProto, options: PipelineOptions) -> list[str]:
                                 stop_after="tightfit.FallbackCPUSchedule")
     return [global_var.name_hint for global_var, func in scheduled.functions.items()
             if not global_var.name_hint == "main"]
+
+
+def matmul_columns(model: onnx.ModelProto, options: PipelineOptions) -> list[int]:
+    """The column count of each matmul in `model` after FuseAttention."""
+    fused, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+                            stop_after="tightfit.FuseAttention")
+    columns = []
+
+    def visit(expr):
+        if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)
+                and expr.op.name == "relax.matmul"):
+            columns.append(int(expr.ty.shape.values[-1]))
+
+    relax.analysis.post_order_visit(fused["main"], visit)
+    return columns
 
 
 def assert_matches(model, session, queries: int, keys: int) -> None:
@@ -223,8 +240,10 @@ def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
     assert any(name.startswith("attention") for name in names), names
     assert not any(op in name for name in names
                    for op in ("slice", "split", "take", "transpose", "squeeze", "multiply")), names
-    # three projections of x are merged into one GEMM (merged_projections.py)
+    # three projections of x are merged into one GEMM (merged_projections.py), and one
+    # projection is kept as it is: 3 x width columns either way
     assert sum("dense" in name or "matmul" in name for name in names) == 1, names
+    assert matmul_columns(model, options) == [3 * 32]
     session = tightfit.compile(model, options=options).session()
     for batch in (1, 3):
         for sequence in range(1, 2 * LANES + 2):
