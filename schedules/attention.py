@@ -208,8 +208,8 @@ class _Attention:
         kind = tirx.ForKind.PARALLEL if parallel else tirx.ForKind.SERIAL
         views = [tirx.DeclBuffer(view, data=source.data)
                  for view, source in zip(self.views, self.sources)]
-        return tirx.SeqStmt(views + [tirx.For(task, self._int(0), self.entries * self.tiles, kind,
-                                              self._tile(task))])
+        return tirx.stmt_seq(*views, tirx.For(task, self._int(0), self.entries * self.tiles, kind,
+                                              self._tile(task)))
 
     def _tile(self, task) -> tirx.Stmt:
         lanes, dtype = self.lanes, "float32"
@@ -248,12 +248,13 @@ class _Attention:
         row_stride, element_stride = self.q_layout.strides[-2:]
         clamped = tirx.min(tirx.Ramp(first, self._int(1), lanes),
                            tirx.Broadcast(self.queries - 1, lanes))
-        gathered = tirx.SeqStmt([tirx.BufferStore(query_tile, tirx.BufferLoad(self.q, [
+        # stmt_seq: a head of width 1 is one statement, which a SeqStmt may not hold
+        gathered = tirx.stmt_seq(*[tirx.BufferStore(query_tile, tirx.BufferLoad(self.q, [
             tirx.Broadcast(q_base + element * element_stride, lanes)
             + clamped * tirx.Broadcast(row_stride, lanes)]), [self._vector(element)])
             for element in range(self.depth)])
         rows = self._query_rows(q_base + first * row_stride, row_stride, element_stride)
-        whole_tile = gathered if rows is None else tirx.SeqStmt([
+        whole_tile = gathered if rows is None else tirx.stmt_seq(*[
             tirx.BufferStore(query_tile, tirx.Shuffle(
                 rows, [tirx.const(query * self.depth + element, "int32")
                        for query in range(lanes)]), [self._vector(element)])

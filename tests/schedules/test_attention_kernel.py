@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 import tvm
@@ -154,14 +154,16 @@ def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, monke
 
 
 def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
-                        operands_scaled: bool = False) -> onnx.ModelProto:
+                        operands_scaled: bool = False, mask: str | None = None) -> onnx.ModelProto:
     """x [batch, sequence, width] through one QKV projection, its heads cut off as exporters
     do (a reshape to [batch, sequence, 3, heads, depth], a transpose putting the 3 first, then
     a Slice and a Squeeze, a Split and Squeezes, or a Gather at 0, 1 and 2), or through three
     projections with biases (cut "separate", as BERT's: each reshaped to [batch, sequence,
     heads, depth] and transposed), attention per head, the heads merged back. The scores are
     divided by sqrt(depth), or with `operands_scaled` Q and K^T are each multiplied by a [1]
-    tensor of depth^-1/4, as nn.MultiheadAttention's export does."""
+    tensor of depth^-1/4, as nn.MultiheadAttention's export does. `mask`: a "padding" mask
+    input [batch, 1, 1, sequence] or a "per-query" one [sequence, sequence] added to the
+    scaled scores."""
     rng = np.random.default_rng(1)
     width = heads * depth
     initializers = [
@@ -213,13 +215,18 @@ def qkv_attention_model(cut: str, heads: int = 4, depth: int = 8,
     else:
         nodes += [helper.make_node("MatMul", ["q", "kt"], ["scores"]),
                   helper.make_node("Div", ["scores", "c"], ["scaled"])]
-    nodes += [helper.make_node("Softmax", ["scaled"], ["p"], axis=-1),
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", width])]
+    if mask is not None:
+        inputs.append(helper.make_tensor_value_info(
+            "mask", TensorProto.FLOAT,
+            ["batch", 1, 1, "sequence"] if mask == "padding" else ["sequence", "sequence"]))
+        nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"]))
+    nodes += [helper.make_node("Softmax", ["masked" if mask else "scaled"], ["p"], axis=-1),
               helper.make_node("MatMul", ["p", "v"], ["o"]),
               helper.make_node("Transpose", ["o"], ["merged"], perm=[0, 2, 1, 3]),
               helper.make_node("Reshape", ["merged", "merged_shape"], ["y"])]
     graph = helper.make_graph(
-        nodes, "qkv_attention",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", width])],
+        nodes, "qkv_attention", inputs,
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", width])],
         initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -252,6 +259,46 @@ def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
             np.testing.assert_allclose(session.run(feeds)["y"],
                                        run_onnxruntime(model, feeds)["y"], rtol=1e-4,
                                        atol=1e-5, err_msg=f"{batch} x {sequence}")
+
+
+def qkv_feeds(model: onnx.ModelProto, batch: int, sequence: int) -> dict[str, np.ndarray]:
+    """x at [batch, sequence, width], and a mask input (if any) of 0 and -10000 entries."""
+    rng = np.random.default_rng(batch * 100 + sequence)
+    sizes = {"batch": batch, "sequence": sequence}
+    feeds = {}
+    for value_info in model.graph.input:
+        shape = [sizes.get(dim.dim_param, dim.dim_value)
+                 for dim in value_info.type.tensor_type.shape.dim]
+        if value_info.name == "mask":
+            # at least one key left to every query: the last
+            masked = rng.random(shape) < 0.3
+            masked[..., -1] = False
+            feeds["mask"] = np.where(masked, -10000.0, 0.0).astype(np.float32)
+        else:
+            feeds[value_info.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+@settings(max_examples=12, deadline=None)
+@example(cut="slice", operands_scaled=False, mask=None, heads=1, depth=1)  # one statement
+@given(cut=st.sampled_from(["slice", "split", "gather", "separate"]),
+       operands_scaled=st.booleans(), mask=st.sampled_from([None, "padding", "per-query"]),
+       heads=st.integers(1, 4), depth=st.integers(1, 8))
+def test_any_qkv_attention_is_one_kernel_over_one_gemm_and_matches_onnxruntime(
+        cut, operands_scaled, mask, heads, depth):
+    """Every combination of how the heads are cut, how the scores are scaled, which mask is
+    added, and the heads' count and width: one attention kernel reading one GEMM of 3 x width
+    columns, matching onnxruntime for 1 and 2 batch entries across a query tile's edge."""
+    model = qkv_attention_model(cut, heads, depth, operands_scaled, mask)
+    options = PipelineOptions()
+    names = kernel_names(model, options)
+    assert sum(name.startswith("attention") for name in names) == 1, names
+    assert matmul_columns(model, options) == [3 * heads * depth]
+    session = tightfit.compile(model, options=options).session()
+    for batch, sequence in ((1, 1), (2, LANES - 1), (1, LANES + 2)):
+        feeds = qkv_feeds(model, batch, sequence)
+        np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
+                                   rtol=1e-4, atol=1e-5, err_msg=f"{batch} x {sequence}")
 
 
 @pytest.mark.parametrize("change", ["probabilities-also-output", "unscaled-by-a-vector",
