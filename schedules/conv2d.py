@@ -38,6 +38,8 @@ core from the depthwise conv after it: in one process, MobileNetV2 at 2x3x160x12
 
 from __future__ import annotations
 
+import functools
+
 import tvm
 from tvm import s_tir, te, tirx
 
@@ -812,13 +814,27 @@ def _copy_filter_per_channel(sch: s_tir.Schedule, tiles, channel) -> None:
     sch.compute_at(sch.cache_read(tiles, weight_index, "global"), channel)
 
 
+def _fuses_at_once(sch: s_tir.Schedule, loops: list) -> bool:
+    """Whether TVM can fuse `loops` in one fuse. Fusing [2 images, h - 2 rows, 3 channel
+    panels] fails its divisibility proof (9h - 18 by 3h - 6) with an internal error, and a
+    grouped conv without padding on a symbolic height did not compile; two at a time from the
+    outermost, the same loops fuse. The one fuse stays the rule: the tail-tile rewrites
+    (tail_tiles.py) expect its loop nest, and a 1x1 conv padded on one side failed code
+    generation after pairwise fuses."""
+    try:
+        sch.copy().fuse(*loops)
+    except tvm.error.InternalError:
+        return False
+    return True
+
+
 def _packing_stages(sch: s_tir.Schedule, tiles) -> list:
     return [block for block in sch.get_producers(tiles)
             if STAGE_ANNOTATION in sch.get(block).annotations]
 
 
 def _fuse_outer_loops(sch: s_tir.Schedule, loops: list, parallel: bool):
-    fused = sch.fuse(*loops)
+    fused = sch.fuse(*loops) if _fuses_at_once(sch, loops) else functools.reduce(sch.fuse, loops)
     if parallel:
         sch.parallel(fused)
     return fused
