@@ -38,8 +38,6 @@ core from the depthwise conv after it: in one process, MobileNetV2 at 2x3x160x12
 
 from __future__ import annotations
 
-import functools
-
 import tvm
 from tvm import s_tir, te, tirx
 
@@ -815,12 +813,12 @@ def _copy_filter_per_channel(sch: s_tir.Schedule, tiles, channel) -> None:
 
 
 def _fuses_at_once(sch: s_tir.Schedule, loops: list) -> bool:
-    """Whether TVM can fuse `loops` in one fuse. Fusing [2 images, h - 2 rows, 3 channel
-    panels] fails its divisibility proof (9h - 18 by 3h - 6) with an internal error, and a
-    grouped conv without padding on a symbolic height did not compile; two at a time from the
-    outermost, the same loops fuse. The one fuse stays the rule: the tail-tile rewrites
-    (tail_tiles.py) expect its loop nest, and a 1x1 conv padded on one side failed code
-    generation after pairwise fuses."""
+    """Whether TVM can fuse `loops`. Fusing [2 images, h - 2 rows, 3 channel panels] fails its
+    divisibility proof (9h - 18 by 3h - 6) with an internal error, so a grouped conv without
+    padding on a symbolic height did not compile. Where it cannot, the outermost loop alone is
+    the parallel one: fusing them two at a time passes the proof, but the tail-tile rewrites
+    (tail_tiles.py) expect the one fused loop, and a grouped 1x1 conv padded at the bottom then
+    failed code generation."""
     try:
         sch.copy().fuse(*loops)
     except tvm.error.InternalError:
@@ -834,7 +832,7 @@ def _packing_stages(sch: s_tir.Schedule, tiles) -> list:
 
 
 def _fuse_outer_loops(sch: s_tir.Schedule, loops: list, parallel: bool):
-    fused = sch.fuse(*loops) if _fuses_at_once(sch, loops) else functools.reduce(sch.fuse, loops)
+    fused = sch.fuse(*loops) if _fuses_at_once(sch, loops) else loops[0]
     if parallel:
         sch.parallel(fused)
     return fused

@@ -508,6 +508,8 @@ class _DirectRowTiles(_DirectDepthwise):
                 updates.append(tirx.BufferStore(sums, functools.reduce(
                     lambda total, product: total + product, products,
                     tirx.BufferLoad(sums, [self._int(row), whole])), [self._int(row), whole]))
+            if not updates:  # a row between two strided output rows' windows: none reads it
+                continue
             body.append(tirx.IfThenElse(
                 self._inside(input_row, self.height),
                 tirx.SeqStmt([tirx.Bind(var, value) for var, value in zip(tap_vars, loaded)]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import tvm
 from tvm import relax, tirx
 
@@ -61,6 +62,13 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, context: str) -> None
     scale = max(1.0, float(np.abs(expected).max()) if expected.size else 1.0)
     error = float(np.abs(actual - expected).max()) if expected.size else 0.0
     assert error <= 1e-4 * scale, f"{context}: max abs error {error} (scale {scale})"
+
+
+def input_shapes(model: onnx.ModelProto, sizes: dict[str, int]) -> dict[str, list[int]]:
+    """Each graph input's shape, its named dims taken from `sizes`."""
+    return {value_info.name: [sizes.get(dim.dim_param, dim.dim_value)
+                              for dim in value_info.type.tensor_type.shape.dim]
+            for value_info in model.graph.input}
 
 
 def kernel_blocks(mod: tvm.IRModule) -> list[str]:

@@ -69,6 +69,12 @@ def _out_extent(size: int, kernel: int, stride: int, pad: int, dilation: int) ->
 @example(dict(in_channels=3, out_channels=6, groups=3, kernel=(3, 1), strides=(1, 1),
               pads=[0, 0, 0, 0], dilations=(1, 1), bias=False, batch=2, sizes=[(3, 1), (9, 4)],
               algorithm="width_vectors"))  # fusing its outer loops failed (_fuses_at_once)
+@example(dict(in_channels=3, out_channels=6, groups=3, kernel=(1, 1), strides=(1, 1),
+              pads=[0, 0, 2, 0], dilations=(1, 1), bias=False, batch=2, sizes=[(1, 1), (9, 4)],
+              algorithm="width_vectors"))  # its loops fused two at a time failed codegen
+@example(dict(in_channels=2, out_channels=2, groups=2, kernel=(1, 1), strides=(2, 1),
+              pads=[0, 0, 0, 0], dilations=(1, 1), bias=False, batch=1, sizes=[(1, 1), (9, 4)],
+              algorithm="depthwise"))  # input rows between strided windows: an empty update
 @given(convs())
 def test_any_conv_matches_onnxruntime_with_each_algorithm(conv):
     (kh, kw), (sh, sw), (dh, dw) = conv["kernel"], conv["strides"], conv["dilations"]

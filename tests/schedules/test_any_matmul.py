@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
-from tightfit.feeds import run_onnxruntime
+from tightfit.feeds import random_feeds, run_onnxruntime
+from tightfit.frontend.importer import declared_inputs
+
+from kernel_harness import input_shapes
 
 ROW_COUNTS = (1, 5, 37)
 
@@ -77,12 +80,8 @@ def test_any_matmul_matches_onnxruntime(case):
     model = matmul_model(case)
     session = tightfit.compile(model).session()
     for rows in ROW_COUNTS:
-        rng = np.random.default_rng(rows)
-        feeds = {}
-        for value_info in model.graph.input:
-            shape = [rows if dim.dim_param == "m" else dim.dim_value
-                     for dim in value_info.type.tensor_type.shape.dim]
-            feeds[value_info.name] = rng.standard_normal(shape).astype(np.float32)
+        feeds = random_feeds(declared_inputs(model.graph), input_shapes(model, {"m": rows}),
+                             seed=rows)
         expected = run_onnxruntime(model, feeds)["y"]
         np.testing.assert_allclose(session.run(feeds)["y"], expected, rtol=1e-4, atol=1e-4,
                                    err_msg=f"{case} at {rows} rows")

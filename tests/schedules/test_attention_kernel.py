@@ -24,6 +24,8 @@ from tightfit.schedules.attention import value_chunks
 from tightfit.schedules.isa import isa_for_target
 from tightfit.target import resolve_target
 
+from kernel_harness import input_shapes
+
 LANES = isa_for_target(resolve_target("host").tvm_target).lanes
 
 
@@ -75,12 +77,8 @@ def attention_model(batch=(2, 3), depth=8, values=8, keys_as_rows=True, scale="D
 def feeds_for(model: onnx.ModelProto, queries: int, keys: int, seed: int = 0) -> dict:
     """Random inputs of `model` at `queries` queries and `keys` keys; a run-time scale of 0.4."""
     rng = np.random.default_rng(seed)
-    sizes = {"queries": queries, "keys": keys}
-    feeds = {}
-    for value_info in model.graph.input:
-        shape = [sizes.get(dim.dim_param, dim.dim_value)
-                 for dim in value_info.type.tensor_type.shape.dim]
-        feeds[value_info.name] = (rng.standard_normal(shape) * 1.5).astype(np.float32)
+    feeds = {name: (rng.standard_normal(shape) * 1.5).astype(np.float32) for name, shape
+             in input_shapes(model, {"queries": queries, "keys": keys}).items()}
     if "c" in feeds:
         feeds["c"] = np.array(0.4, np.float32)
     return feeds
@@ -264,18 +262,15 @@ def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
 def qkv_feeds(model: onnx.ModelProto, batch: int, sequence: int) -> dict[str, np.ndarray]:
     """x at [batch, sequence, width], and a mask input (if any) of 0 and -10000 entries."""
     rng = np.random.default_rng(batch * 100 + sequence)
-    sizes = {"batch": batch, "sequence": sequence}
     feeds = {}
-    for value_info in model.graph.input:
-        shape = [sizes.get(dim.dim_param, dim.dim_value)
-                 for dim in value_info.type.tensor_type.shape.dim]
-        if value_info.name == "mask":
+    for name, shape in input_shapes(model, {"batch": batch, "sequence": sequence}).items():
+        if name == "mask":
             # at least one key left to every query: the last
             masked = rng.random(shape) < 0.3
             masked[..., -1] = False
             feeds["mask"] = np.where(masked, -10000.0, 0.0).astype(np.float32)
         else:
-            feeds[value_info.name] = rng.standard_normal(shape).astype(np.float32)
+            feeds[name] = rng.standard_normal(shape).astype(np.float32)
     return feeds
 
 

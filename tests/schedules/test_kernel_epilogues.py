@@ -3,7 +3,8 @@ second operands' shapes: ScheduleKernels inlines the chain into the kernel's wri
 it can (schedule_kernels.inline_epilogue) and leaves the rest as loops of their own. Operands
 broadcast along any axes, come from the graph or from constants, stand left or right of the
 op, and may broadcast the product up (more leading axes than it, which the write-back cannot
-take: such a model failed to compile)."""
+take: such a model failed to compile). Each drawn product is a tightfit kernel's (dense_packed,
+matmul_packed_rhs or a conv algorithm), so its write-back is what is tested."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
+from tightfit.frontend import import_onnx
+from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.target import resolve_target
+
+from kernel_harness import input_shapes, selected_algorithms
 
 DEPTH = 12
 UNARY_OPS = ("Relu", "Sigmoid", "Tanh", "Erf", "Abs")
@@ -113,20 +119,19 @@ def _broadcast(a: list, b: list) -> list:
 
 def feeds_at(model: onnx.ModelProto, rows: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(rows)
-    feeds = {}
-    for value_info in model.graph.input:
-        shape = [rows if dim.dim_param == "m" else dim.dim_value
-                 for dim in value_info.type.tensor_type.shape.dim]
-        # away from zero: a divisor
-        values = rng.uniform(0.5, 1.5, shape) * rng.choice([-1, 1], shape)
-        feeds[value_info.name] = np.asarray(values, np.float32)
-    return feeds
+    # away from zero: a divisor
+    return {name: np.asarray(rng.uniform(0.5, 1.5, shape) * rng.choice([-1, 1], shape),
+                             np.float32)
+            for name, shape in input_shapes(model, {"m": rows}).items()}
 
 
 @settings(max_examples=30, deadline=None)
 @given(epilogues())
 def test_any_elementwise_chain_after_a_kernel_matches_onnxruntime(epilogue):
     model = epilogue_model(*epilogue)
+    selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), PipelineOptions(),
+                               stop_after="tightfit.SelectGemmKernel")
+    assert selected_algorithms(selected), "the product is not a tightfit kernel's"
     session = tightfit.compile(model).session()
     for rows in ROW_COUNTS:
         feeds = feeds_at(model, rows)
