@@ -213,6 +213,28 @@ def run_first_where(func: tirx.PrimFunc, condition, body: tirx.Stmt) -> tirx.Pri
     return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, joined))
 
 
+def with_dims_known_non_negative(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with its body under `if d >= 0` for each scalar parameter d that a buffer's shape
+    is an expression of: a dim symbol the caller passes because no buffer has it as a dim of
+    its own (the input width w of an im2col GEMM over a width of w // 2 + 1). TVM takes a
+    buffer's dims as non-negative, which leaves w >= -2 there; the flat-pixel index's region
+    then divides by w // 2 + 1 behind a Select that StmtSimplify folds at w = -2, and code
+    generation stopped on "Divide by zero". The run-time cost is one comparison per call."""
+    shape_symbols = [var for param in func.params if hasattr(param, "shape")
+                     for dim in param.shape for var in tirx.analysis.undefined_vars(dim)]
+    dims = [param for param in func.params if not hasattr(param, "shape")
+            and any(param.same_as(symbol) for symbol in shape_symbols)]
+    if not dims or not isinstance(func.body, s_tir.SBlockRealize):
+        return func
+    realize = func.body
+    root = realize.block
+    guarded = tirx.IfThenElse(combine(*[dim >= tirx.const(0, dim.ty.dtype) for dim in dims]),
+                              root.body, None)
+    return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, s_tir.SBlock(
+        root.iter_vars, root.reads, root.writes, root.name_hint, guarded, root.init,
+        root.alloc_buffers, root.match_buffers, root.annotations)))
+
+
 def _with_fresh_intermediates(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` with new buffer objects for the intermediates allocated at its root, so that a
     version does not share them with the others (TIR allows one definition per buffer).

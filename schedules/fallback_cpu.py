@@ -30,7 +30,14 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from .dispatch import DEFAULT_MIN_PARALLEL_WORK, SERIAL, join_versions, loop_work, parallel_buckets
+from .dispatch import (
+    DEFAULT_MIN_PARALLEL_WORK,
+    SERIAL,
+    join_versions,
+    loop_work,
+    parallel_buckets,
+    with_dims_known_non_negative,
+)
 from .knob_database import KnobDatabase
 
 # A block annotated so stays a buffer: a small table (a gather's per-dim source indices) whose
@@ -54,7 +61,8 @@ class FallbackCPUSchedule:
         mod = mod.clone()
         for global_var, func in list(mod.functions.items()):
             if isinstance(func, tirx.PrimFunc) and not is_scheduled(func) and has_root_block(func):
-                mod[global_var] = schedule_prim_func(func, min_parallel_work)
+                mod[global_var] = with_dims_known_non_negative(
+                    schedule_prim_func(func, min_parallel_work))
         return mod
 
 

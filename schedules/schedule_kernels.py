@@ -31,6 +31,7 @@ from .dispatch import (
     parallel_buckets,
     row_buckets,
     run_first_where,
+    with_dims_known_non_negative,
 )
 from .fallback_cpu import has_root_block, is_scheduled, parallelize_outer_loops
 from .isa import VectorISA, isa_for_target
@@ -80,7 +81,7 @@ class ScheduleKernels:
                              or schedule_row_kernel(func, isa, min_parallel_work)
                              or schedule_max_pool(func, isa, min_parallel_work))
                 if scheduled is not None:
-                    mod[global_var] = scheduled
+                    mod[global_var] = with_dims_known_non_negative(scheduled)
         return mod
 
 
