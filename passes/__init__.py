@@ -7,6 +7,7 @@ from .fold_batch_norm import FoldBatchNorm
 from .fold_constant_calls import FoldConstantCalls
 from .fold_constants_on_host import FoldConstantsOnHost
 from .fuse_attention import FuseAttention
+from .fuse_through_unit_axis_views import FuseThroughUnitAxisViews
 from .inline_branch_functions import InlineBranchFunctions
 from .keep_reshapes_as_views import KeepReshapesAsViews, legalize_views
 from .launch_kernel_sequences import LaunchKernelSequences
@@ -31,6 +32,7 @@ __all__ = [
     "FoldConstantCalls",
     "FoldConstantsOnHost",
     "FuseAttention",
+    "FuseThroughUnitAxisViews",
     "InlineBranchFunctions",
     "KeepReshapesAsViews",
     "LaunchKernelSequences",

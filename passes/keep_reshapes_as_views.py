@@ -24,16 +24,18 @@ VIEW_OPS = ("relax.reshape", "relax.flatten", "relax.squeeze", "relax.expand_dim
 
 
 def legalize_views() -> dict:
-    """LegalizeOps' customize map: each view op legalized as TVM does, its kernel marked."""
-    return {name: _marking(tvm.ir.Op.get(name).get_attr("FLegalize")) for name in VIEW_OPS}
+    """LegalizeOps' customize map: each view op legalized as TVM does, its kernel marked with
+    the op's name."""
+    return {name: _marking(name, tvm.ir.Op.get(name).get_attr("FLegalize")) for name in VIEW_OPS}
 
 
-def _marking(legalize):
+def _marking(op_name: str, legalize):
     def legalize_and_mark(builder: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         legalized = legalize(builder, call)
         if _is_call_tir(legalized):
             kernel = legalized.args[0]
-            builder.update_func(kernel, builder.get()[kernel].with_attr(VIEW_KERNEL_ATTR, True))
+            builder.update_func(kernel,
+                                builder.get()[kernel].with_attr(VIEW_KERNEL_ATTR, op_name))
         return legalized
 
     return legalize_and_mark

@@ -26,6 +26,7 @@ from .passes import (
     FoldConstantCalls,
     FoldConstantsOnHost,
     FuseAttention,
+    FuseThroughUnitAxisViews,
     InlineBranchFunctions,
     KeepReshapesAsViews,
     LaunchKernelSequences,
@@ -104,6 +105,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool(),
                                      **legalize_float_extrema()}),
         relax.transform.AnnotateTIROpPattern(),
+        FuseThroughUnitAxisViews(),
         FoldConstantCalls(),
         # what fusion can join to a branch's kernels goes into the branch (SoD2 §3, §4.2)
         MoveIntoBranches(),
