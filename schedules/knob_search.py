@@ -52,7 +52,6 @@ from .conv2d import (
     FLAT_PIXELS_ANNOTATION,
     GROUPS_ANNOTATION,
     WIDTH_VECTORS,
-    output_row_extent,
     tile_kind,
 )
 from .conv_cost import MEASURED_MARGIN
@@ -68,7 +67,7 @@ from .register_tile import (
     TileKnobs,
     tile_cost,
 )
-from .schedule_kernels import REGISTER_TILE_KERNELS
+from .schedule_kernels import REGISTER_TILE_KERNELS, ROW_EXTENT_ATTR
 from .tail_tiles import rewrite_loop_nest
 
 UNROLL = 4
@@ -307,9 +306,7 @@ def _kernels(mod: tvm.IRModule, isa) -> list[tuple[str, tirx.PrimFunc]]:
         kind = str(annotations[KERNEL_ANNOTATION])
         if kind == WIDTH_VECTORS:
             kind = tile_kind(FLAT_PIXELS_ANNOTATION in annotations)
-        output = func.params[-1]
-        row_extent, _ = output_row_extent(output.shape, annotations)
-        found.append((bucket_key(kind, _static_columns(func), row_extent, isa),
+        found.append((bucket_key(kind, _static_columns(func), func.attrs[ROW_EXTENT_ATTR], isa),
                       func.with_attr("global_symbol", global_var.name_hint)))
     return found
 

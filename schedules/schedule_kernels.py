@@ -57,6 +57,9 @@ from .register_tile import (
 )
 from .row_kernels import schedule_row_kernel
 
+# On a scheduled kernel: the extent its row versions dispatch on, from its own write-back
+# (the function's output may be reshaped by its epilogue: a conv1d's squeeze)
+ROW_EXTENT_ATTR = "tightfit.row_extent"
 REGISTER_TILE_KERNELS = {conv2d.DIRECT, gemm.DENSE, gemm.MATMUL}
 # the kernels whose tiles block is a register-tiled multiply-accumulate (dispatch.loop_work)
 MAC_KERNELS = frozenset(REGISTER_TILE_KERNELS | {conv2d.WIDTH_VECTORS})
@@ -148,7 +151,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     joined = join_versions(versions)
     if direct is not None:
         joined = run_first_where(joined, *direct)
-    return joined.with_attr("tirx.is_scheduled", True)
+    return joined.with_attr("tirx.is_scheduled", True).with_attr(ROW_EXTENT_ATTR, row_extent)
 
 
 def _direct_kernel(base: s_tir.Schedule, block_name: str, annotations: dict,
