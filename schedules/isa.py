@@ -8,13 +8,12 @@ width and the number of vector registers as parameters:
 The register budget bounds a GEMM micro-kernel's accumulator tile: rows x vectors accumulators,
 plus one register per vector of B and one for the broadcast element of A. A second bound comes
 from TVM 0.27's LowerTVMBuiltin: an intermediate buffer becomes a stack array (which LLVM then
-keeps in registers) only when it is of constant size and smaller than kMaxStackAlloca = 1024
-bytes, and in the "global" scope or marked to stay (kernel_lowering.py marks the "local" ones
-the kernels' tiles are in: schedule_kernels.py); any other one is a heap workspace
-(TVMBackendAllocWorkspace), and LLVM, unable to prove it does not alias the operands, stores
-every accumulator back after every multiply-add (one vmovups per vfmadd231ps in the assembly).
-Measured on resnet_style, batch 1, one thread: 16 x 16-lane tiles (1024 bytes, heap) 0.26 ms,
-15 x 16 (960 bytes, stack) 0.16 ms. The schedules therefore size the tile here.
+keeps in registers) only when it is in the "global" scope, of constant size, and smaller than
+kMaxStackAlloca = 1024 bytes; any other one is a heap workspace (TVMBackendAllocWorkspace), and
+LLVM, unable to prove it does not alias the operands, stores every accumulator back after every
+multiply-add (one vmovups per vfmadd231ps in the assembly). Measured on resnet_style, batch 1,
+one thread: 16 x 16-lane tiles (1024 bytes, heap) 0.26 ms, 15 x 16 (960 bytes, stack) 0.16 ms.
+The schedules therefore leave the tile buffer "global" (register_tile.py) and size it here.
 Limits: fp32 only; SVE/SME and Arm dotprod/i8mm (int8) are not used.
 """
 

@@ -125,15 +125,6 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     for version, parallel, condition in buckets:
         sch = base.copy()
         tiles = sch.get_sblock(block_name)
-        # "local", because TVM's StorageRewrite merges buffers whose lives do not overlap into
-        # one allocation per scope (the function's body, or a parallel loop's) except "local"
-        # ones, and the serial versions, each in a branch of the body, share that scope: with a
-        # static batch a version's tile merged into another's constant packed input (10 KB for
-        # a conv1d of 40 channels over a symbolic length), a heap workspace, and the
-        # accumulators lived in memory (isa.py). That conv1d, 2 x 77 at stride 2, one thread:
-        # 15.8-21.1 us a run, "local" 8.2-12.9 us (7.2-12.5 us over a static length).
-        # kernel_lowering.py keeps the "local" tile a stack array.
-        sch.set_scope(tiles, 0, "local")
         out_block = inline_epilogue(sch, _single_consumer(sch, tiles))
         if conv2d.FLAT_PIXELS_ANNOTATION in annotations:
             conv2d.flatten_output_pixels(sch, out_block)

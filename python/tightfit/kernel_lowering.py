@@ -1,6 +1,5 @@
 """How tightfit lowers its kernels to machine code: TVM's default TIR pipeline, after which a
-kernel assumes of a tensor argument's address only the alignment of its element type, and its
-small "local" buffers (the accumulator tiles) stay stack arrays (keep_local_tiles_on_the_stack).
+kernel assumes of a tensor argument's address only the alignment of its element type.
 
 TVM's packed-function wrapper tells LLVM that every tensor argument is 64-byte aligned (an
 alignment assumption from the buffer's declaration), and TVM views an array only if it is
@@ -60,52 +59,9 @@ def element_bytes(data: tirx.Var) -> int:
     return max(1, tvm.runtime.DataType(str(data.dtype)).bits // 8)
 
 
-# TVM's runtime::kMaxStackAlloca, and LowerTVMBuiltin's annotation that keeps an allocation
-# as it is (a stack array on the CPU) instead of making it a heap workspace
-MAX_STACK_ALLOCA_BYTES = 1024
-DISABLE_LOWER_BUILTIN = "disable_lower_builtin"
-
-
-@tirx.transform.prim_func_pass(opt_level=0, name="tightfit.KeepLocalTilesOnTheStack")
-def keep_local_tiles_on_the_stack(func: tirx.PrimFunc, mod: tvm.IRModule, ctx) -> tirx.PrimFunc:
-    """Each "local" buffer of a constant size under MAX_STACK_ALLOCA_BYTES stays a stack array.
-    Kernels put their accumulator tiles in the "local" scope, which StorageRewrite leaves out of
-    its merges (schedules/dispatch.py); LowerTVMBuiltin would then make them heap workspaces."""
-    return func.with_body(_on_stack(func.body))
-
-
-def _on_stack(stmt: tirx.Stmt) -> tirx.Stmt:
-    if isinstance(stmt, tirx.SeqStmt):
-        return tirx.SeqStmt([_on_stack(item) for item in stmt.seq])
-    if isinstance(stmt, tirx.For):
-        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _on_stack(stmt.body),
-                        stmt.thread_binding, stmt.annotations)
-    if isinstance(stmt, tirx.IfThenElse):
-        return tirx.IfThenElse(stmt.condition, _on_stack(stmt.then_case),
-                               None if stmt.else_case is None else _on_stack(stmt.else_case))
-    if isinstance(stmt, tirx.AttrStmt):
-        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _on_stack(stmt.body))
-    if isinstance(stmt, tirx.While):
-        return tirx.While(stmt.condition, _on_stack(stmt.body))
-    if isinstance(stmt, tirx.AllocBuffer) and _is_small_local(stmt.buffer):
-        return tirx.AllocBuffer(stmt.buffer, {**stmt.annotations,
-                                              DISABLE_LOWER_BUILTIN: tirx.IntImm("bool", 1)})
-    return stmt
-
-
-def _is_small_local(buffer: tirx.Buffer) -> bool:
-    if buffer.scope() != "local" or not all(isinstance(d, tirx.IntImm) for d in buffer.shape):
-        return False
-    elements = 1
-    for dim in buffer.shape:
-        elements *= int(dim)
-    return elements * tvm.runtime.DataType(str(buffer.dtype)).bits // 8 < MAX_STACK_ALLOCA_BYTES
-
-
 def _kernel_lowering():
     lower, finalize_host, finalize_device = compilation_pipeline.get_tir_pipeline("default")
-    lowering = tvm.transform.Sequential([lower, assume_element_aligned_arguments,
-                                         keep_local_tiles_on_the_stack])
+    lowering = tvm.transform.Sequential([lower, assume_element_aligned_arguments])
     return lowering, finalize_host, finalize_device
 
 

@@ -117,13 +117,20 @@ def conv1d_over_a_symbolic_length() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+@pytest.mark.xfail(strict=True, reason="known: TVM's StorageRewrite merges the buffers of a "
+                   "kernel's serial versions into one allocation; with a static batch a version's "
+                   "packed input is a constant 1 KB or more, and the accumulator tiles merged "
+                   "into it become a heap workspace")
 @pytest.mark.parametrize("model", ["conv1d", "conv_dynamic_hw"])
 def test_accumulator_tiles_stay_stack_arrays_in_every_version(model):
     """No version's tile shares an allocation with another version's buffers. StorageRewrite
     merges buffers whose lives do not overlap within one scope, and the serial versions, each
-    in a branch of the function's body, share it: with a static batch the tiles merged into a
-    version's constant packed input, a heap workspace, where LLVM stores every accumulator
-    after every multiply-add (isa.py, schedule_kernels.py)."""
+    in a branch of the function's body, share it: the tiles then live in a heap workspace and
+    LLVM stores every accumulator after every multiply-add (isa.py). A conv1d over a symbolic
+    length (40 -> 32 channels, stride 2, 2 x 77, one thread) ran 23.7 us against 7.3 us over a
+    static length. Turning the reuse off ("tirx.merge_static_smem") gave 8.1 us, but every
+    version's buffers then take an allocation of their own on every call, which cost 2-6% on
+    the zoo's small models; the fix has to keep the tiles out of the merge alone."""
     onnx_model = conv1d_over_a_symbolic_length() if model == "conv1d" else zoo.get(model).build()
     scheduled, _ = run_pipeline(import_onnx(onnx_model).mod, resolve_target("host"),
                                 stop_after="tightfit.FallbackCPUSchedule")
@@ -133,6 +140,5 @@ def test_accumulator_tiles_stay_stack_arrays_in_every_version(model):
     for func in kernels:
         declarations = re.findall(r"(\w+_tiles\w*) = (T\.\w+|\w+\.view)\(", lowered_for_code_generation(func))
         assert declarations
-        not_on_stack = [(name, how) for name, how in declarations
-                        if how not in ("T.alloc_buffer", "T.alloc_local")]
+        not_on_stack = [(name, how) for name, how in declarations if how != "T.alloc_buffer"]
         assert not not_on_stack, f"tiles in heap workspaces: {not_on_stack}"
