@@ -129,9 +129,8 @@ def loop_work(sch: s_tir.Schedule, mac_kernels: frozenset[str] = frozenset()):
     none of a SERIAL block, which never runs in parallel; None when a loop extent depends on
     something other than the parameters' shapes (a data-dependent loop)."""
     func = sch.mod["main"]
-    shape_vars = [var for param in func.params if hasattr(param, "shape")
-                  for dim in param.shape for var in tirx.analysis.undefined_vars(dim)]
-    shape_vars += [param for param in func.params if not hasattr(param, "shape")]
+    shape_vars = _shape_symbols(func) + [param for param in func.params
+                                         if not hasattr(param, "shape")]
     total = tirx.const(0, "int64")
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         if SERIAL in sch.get(block).annotations:
@@ -220,8 +219,7 @@ def with_dims_known_non_negative(func: tirx.PrimFunc) -> tirx.PrimFunc:
     buffer's dims as non-negative, which leaves w >= -2 there; the flat-pixel index's region
     then divides by w // 2 + 1 behind a Select that StmtSimplify folds at w = -2, and code
     generation stopped on "Divide by zero". The run-time cost is one comparison per call."""
-    shape_symbols = [var for param in func.params if hasattr(param, "shape")
-                     for dim in param.shape for var in tirx.analysis.undefined_vars(dim)]
+    shape_symbols = _shape_symbols(func)
     dims = [param for param in func.params if not hasattr(param, "shape")
             and any(param.same_as(symbol) for symbol in shape_symbols)]
     if not dims or not isinstance(func.body, s_tir.SBlockRealize):
@@ -233,6 +231,12 @@ def with_dims_known_non_negative(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, s_tir.SBlock(
         root.iter_vars, root.reads, root.writes, root.name_hint, guarded, root.init,
         root.alloc_buffers, root.match_buffers, root.annotations)))
+
+
+def _shape_symbols(func: tirx.PrimFunc) -> list[tirx.Var]:
+    """The variables the shapes of `func`'s buffer parameters are expressions of."""
+    return [var for param in func.params if hasattr(param, "shape")
+            for dim in param.shape for var in tirx.analysis.undefined_vars(dim)]
 
 
 def _with_fresh_intermediates(func: tirx.PrimFunc) -> tirx.PrimFunc:

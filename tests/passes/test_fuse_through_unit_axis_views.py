@@ -6,7 +6,6 @@ import tvm
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from tvm.script import relax as R
-from tvm.script import tirx as T
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
@@ -25,8 +24,6 @@ def _conv1d_stack() -> tvm.IRModule:
         @R.function
         def main(x: R.Tensor(("n", 4, 1, "w"), "float32"), weight: R.Tensor((4, 4, 1, 3), "float32"),
                  bias: R.Tensor((1, 4, 1), "float32")):
-            n = T.int64()
-            w = T.int64()
             with R.dataflow():
                 first = R.nn.conv2d(x, weight, padding=[0, 1, 0, 1])
                 squeezed = R.squeeze(first, [2])
