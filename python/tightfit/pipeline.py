@@ -44,7 +44,13 @@ from .passes import (
     WriteScalarsToShapeHeap,
     legalize_views,
 )
-from .schedules import FallbackCPUSchedule, ScheduleKernels, legalize_float_extrema, legalize_max_pool
+from .schedules import (
+    FallbackCPUSchedule,
+    ScheduleKernels,
+    legalize_float_extrema,
+    legalize_max_pool,
+    legalize_scatter_elements,
+)
 from .weight_file import WeightTensor
 from .target import CompileTarget
 
@@ -103,7 +109,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
         relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool(),
-                                     **legalize_float_extrema()}),
+                                     **legalize_float_extrema(), **legalize_scatter_elements()}),
         relax.transform.AnnotateTIROpPattern(),
         FuseThroughUnitAxisViews(),
         FoldConstantCalls(),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
 import tightfit
@@ -133,3 +134,42 @@ def test_compiling_gathers_logs_no_warning_about_fast_mode_segfaults(capfd, name
     capfd.readouterr()
     tightfit.compile(zoo.get(name).build())
     assert "Fast mode" not in capfd.readouterr().err
+
+
+_SCATTER_SESSIONS = {}
+
+
+def scatter_session(axis: int, reduction: str):
+    """ScatterElements over dynamic dims, its indices of their own dims."""
+    key = (axis, reduction)
+    if key not in _SCATTER_SESSIONS:
+        onnx_model = model(helper.make_node("ScatterElements", ["data", "indices", "updates"], ["y"], axis=axis,
+                                            reduction=reduction, name="put"),
+                           [("data", F, ["a", "b", "c"]), ("indices", I64, ["p", "q", "r"]),
+                            ("updates", F, ["p", "q", "r"])], [("y", F, ["a", "b", "c"])])
+        _SCATTER_SESSIONS[key] = (onnx_model, tightfit.compile(onnx_model).session())
+    return _SCATTER_SESSIONS[key]
+
+
+@settings(max_examples=30, deadline=None)
+@given(axis=st.sampled_from([0, 1, 2]), reduction=st.sampled_from(["none", "add", "max"]), data=st.data())
+def test_scatter_elements_with_indices_shorter_than_the_data_matches_onnxruntime(axis, reduction, data):
+    """ONNX lets the indices be shorter than the data in every dim; TVM's kernel assumed the
+    data's shape beside the axis and wrote such updates to the wrong elements."""
+    onnx_model, session = scatter_session(axis, reduction)
+    shape = [data.draw(st.integers(1, 4)) for _ in range(3)]
+    index_shape = [data.draw(st.integers(1, length)) for length in shape]
+    extent = shape[axis]
+    other_dims = [length for dim, length in enumerate(index_shape) if dim != axis]
+    if reduction == "none":  # onnxruntime keeps any one of repeated indices' updates
+        along_axis = [data.draw(st.permutations(range(extent)))[:index_shape[axis]]
+                      for _ in range(np.prod(other_dims))]
+    else:  # repeated indices combine their updates
+        index_shape[axis] = data.draw(st.integers(1, 5))
+        along_axis = [data.draw(st.lists(st.integers(0, extent - 1), min_size=index_shape[axis],
+                                         max_size=index_shape[axis])) for _ in range(np.prod(other_dims))]
+    indices = np.moveaxis(np.array(along_axis, np.int64).reshape(*other_dims, index_shape[axis]), -1, axis)
+    indices = np.where(data.draw(hnp.arrays(bool, index_shape)), indices - extent, indices).astype(np.int64)
+    feeds = {"data": np.arange(np.prod(shape), dtype=np.float32).reshape(shape), "indices": indices,
+             "updates": data.draw(hnp.arrays(np.float32, index_shape, elements=st.integers(-9, 9).map(float)))}
+    np.testing.assert_array_equal(session.run(feeds)["y"], run_onnxruntime(onnx_model, feeds)["y"])
