@@ -13,7 +13,10 @@ LegalizeOps skips such calls; FoldConstant does not.
 
 This pass shows FoldConstant only what it can fold: each call (an operator's, or a kernel's
 `call_tir`) whose arguments are all constants, alone in a module with the kernel it calls, and
-binds the constant it evaluates to in the call's place. A binding to a constant is replaced at
+binds the constant it evaluates to in the call's place. A call numpy computes exactly is folded
+with numpy instead (fold_constants_on_host.py): this pass's folds feed calls that pass did not
+see on constants, and compiling each would take tens of ms (in ONNX's expanded Attention, a
+`take` of a folded `scatter_elements` feeds a `maximum`, an `add` and a `negative`). A binding to a constant is replaced at
 each of its uses, so chains fold in one walk. FoldConstant folds the same calls as over the whole
 module, with its own rules (what it declines to fold stays a call), except a call with no
 arguments at all (after legalization, the kernel of an arange or an identity matrix), which
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax
+
+from .fold_constants_on_host import fold_on_host
 
 CALL_TIR = "relax.call_tir"
 
@@ -45,7 +50,7 @@ class _ConstantCallFolder(relax.PyExprMutator):
             if any(not new.same_as(old) for new, old in zip(arguments, value.args)):
                 value = self.builder_.normalize(relax.Call(value.op, arguments, value.attrs, value.ty_args))
             if _all_arguments_constant(value):
-                value = self._fold(value) or value
+                value = fold_on_host(value) or self._fold(value) or value
         if isinstance(value, relax.ShapeExpr):
             self.shapes[binding.var] = value
         # a value whose type is now more precise (a shape argument replaced by the shape it was

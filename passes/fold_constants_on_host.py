@@ -10,13 +10,14 @@ of a 1.8 s compile.
 
 This pass evaluates those calls with numpy, for the ops where numpy computes exactly what TVM's
 kernel computes: IEEE float arithmetic (+ - * / and sqrt, each correctly rounded), integer
-arithmetic (wrapping), comparisons, logic, casts and layout ops. A result is kept only when its
-shape and dtype are the ones TVM inferred for the call. Bindings to a folded value are replaced
-by the constant at every use, so chains fold in one walk. Everything else is left to
-FoldConstant, which runs next (one call at a time, fold_constant_calls.py): ops whose last
-bits depend on the math library (exp, pow), sums (their order rounds), integer division by
-zero, and ops not in EVALUATORS. The shape of a tensor of static shape (`shape_of`) is
-folded too: shape computations start from it.
+arithmetic (wrapping), comparisons, logic, casts, layout ops, integer ranges, and indexing
+(take, and scatter_elements with its updates applied in the kernel's order). A result is kept
+only when its shape and dtype are the ones TVM inferred for the call. Bindings to a folded value
+are replaced by the constant at every use, so chains fold in one walk. Everything else is left
+to FoldConstant (one call at a time, fold_constant_calls.py, which folds with numpy first too:
+its own folds make new calls on constants): ops whose last bits depend on the math library (exp,
+pow), sums (their order rounds), integer division by zero, and ops not in EVALUATORS. The shape
+of a tensor of static shape (`shape_of`) is folded too: shape computations start from it.
 Limit: values that reach a call through `match_cast` or `vm.builtin.tensor_to_shape` (shapes
 computed as tensors, then bound to symbolic dims, as in ONNX Attention's causal mask) are not
 followed.
@@ -33,6 +34,8 @@ from tvm import relax
 # Above this many elements a fold is left to FoldConstant: the constant would be stored in the
 # package instead of computed from a smaller one, which is FoldConstant's trade-off to make.
 MAX_FOLDED_ELEMENTS = 1 << 16
+# A scatter folds in a Python loop, 2-3 us an update: 4096 of them cost what compiling takes.
+MAX_SCATTERED_UPDATES = 1 << 12
 
 
 def _binary(function: Callable) -> Callable:
@@ -83,6 +86,73 @@ def _concat(call, tensors):
     return np.concatenate(tensors, axis=int(call.attrs.axis))
 
 
+def _take(call, data, indices):
+    """TVM's take: "clip" clamps an index into range, "wrap" takes it modulo the axis; the other
+    modes read out of bounds (or give NaN there), so only in-range indices fold."""
+    axis = call.attrs.axis
+    if axis is None:
+        data, axis = data.ravel(), 0
+    axis = int(axis) % data.ndim
+    extent = data.shape[axis]
+    mode = str(call.attrs.mode)
+    if extent == 0:
+        return None
+    if mode == "clip":
+        indices = np.clip(indices, 0, extent - 1)
+    elif mode == "wrap":
+        indices = np.mod(indices, extent)
+    elif not np.all((indices >= 0) & (indices < extent)):
+        return None
+    return np.take(data, indices, axis=axis)
+
+
+def _integer_arange(call, start, end, step):
+    """A float arange rounds `start + i * step` as the kernel's code does (perhaps fused into
+    one FMA): only integer ranges fold."""
+    dtype = str(call.attrs.dtype)
+    if np.dtype(dtype).kind not in "iu" or step == 0:
+        return None
+    return np.arange(start, end, step, dtype=dtype)
+
+
+# TVM's max and min are selects on a comparison: with a NaN they give the second operand
+def _select_max(a, b):
+    return np.where(a > b, a, b)
+
+
+def _select_min(a, b):
+    return np.where(a < b, a, b)
+
+
+SCATTER_REDUCTIONS: dict[str, Callable] = {
+    "update": lambda old, new: new, "add": np.add, "mul": np.multiply,
+    "min": _select_min, "max": _select_max,
+}
+
+
+def _scatter_elements(call, data, indices, updates):
+    """The scatter kernel (schedules/scatter_elements.py) applies the updates one at a time, in
+    the indices' row-major order (a negative index counts from the end); so does this loop, which
+    makes duplicate indices and float sums come out as the kernel's. An index outside the data
+    writes out of bounds in the kernel: it is not folded, nor are more updates than compiling
+    the kernel costs."""
+    reduction = SCATTER_REDUCTIONS.get(str(call.attrs.reduction))
+    if reduction is None or data.ndim == 0 or indices.size > MAX_SCATTERED_UPDATES:
+        return None
+    axis = int(call.attrs.axis) % data.ndim
+    if any(indices.shape[dim] > data.shape[dim] for dim in range(data.ndim) if dim != axis):
+        return None
+    extent = data.shape[axis]
+    positions = np.where(indices < 0, indices + extent, indices)
+    if not np.all((positions >= 0) & (positions < extent)):
+        return None
+    result = data.copy()
+    for index in np.ndindex(indices.shape):
+        target = (*index[:axis], positions[index], *index[axis + 1:])
+        result[target] = reduction(result[target], updates[index])
+    return result
+
+
 EVALUATORS: dict[str, Callable] = {
     "relax.add": _binary(np.add),
     "relax.subtract": _binary(np.subtract),
@@ -90,9 +160,8 @@ EVALUATORS: dict[str, Callable] = {
     "relax.divide": _divide,
     "relax.floor_divide": _int_only(np.floor_divide),
     "relax.floor_mod": _int_only(np.remainder),
-    # TVM's max and min are selects on a comparison: with a NaN they give the second operand
-    "relax.maximum": _binary(lambda a, b: np.where(a > b, a, b)),
-    "relax.minimum": _binary(lambda a, b: np.where(a < b, a, b)),
+    "relax.maximum": _binary(_select_max),
+    "relax.minimum": _binary(_select_min),
     "relax.equal": _binary(np.equal),
     "relax.not_equal": _binary(np.not_equal),
     "relax.less": _binary(np.less),
@@ -123,6 +192,9 @@ EVALUATORS: dict[str, Callable] = {
     "relax.squeeze": _squeeze,
     "relax.concat": _concat,
     "relax.shape_to_tensor": lambda call, shape: np.array(shape, dtype="int64"),
+    "relax.arange": _integer_arange,
+    "relax.take": _take,
+    "relax.scatter_elements": _scatter_elements,
 }
 
 
@@ -182,9 +254,11 @@ def fold_on_host(call: relax.Call) -> relax.Expr | None:
 
 def _host_value(expr: relax.Expr):
     """A constant argument as numpy sees it: an array, a tuple of ints (a shape), a list of
-    arrays (a tuple of tensors); None when it is not known at compile time."""
+    arrays (a tuple of tensors), an int (a scalar); None when it is not known at compile time."""
     if isinstance(expr, tvm.ir.GenericConst):
         return expr.value.numpy()
+    if isinstance(expr, tvm.tirx.IntImm):  # a scalar argument is the TIR expression itself
+        return int(expr.value)
     if isinstance(expr, relax.ShapeExpr):
         return _static_shape(expr.values)
     if isinstance(expr, relax.Tuple):

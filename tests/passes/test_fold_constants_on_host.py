@@ -17,6 +17,7 @@ from tightfit.frontend import import_onnx
 from tightfit.passes import FoldConstantsOnHost
 from tightfit.passes.fold_constants_on_host import MAX_FOLDED_ELEMENTS
 from tightfit.pipeline import run_pipeline
+from tightfit.schedules import legalize_scatter_elements
 from tightfit.target import resolve_target
 
 BINARY = {
@@ -47,10 +48,13 @@ def returned_value(mod: tvm.IRModule):
     return value.value.numpy() if isinstance(value, tvm.ir.GenericConst) else None
 
 
-def folded_by_both(make_call):
-    """(numpy's fold, TVM FoldConstant's compiled fold) of the call `make_call` returns."""
+def folded_by_both(make_call, legalizations: dict | None = None):
+    """(numpy's fold, TVM FoldConstant's compiled fold) of the call `make_call` returns; with
+    `legalizations`, FoldConstant compiles the kernels they give, not TVM's."""
     mod = module_of(make_call)
     ours = returned_value(FoldConstantsOnHost()(mod))
+    if legalizations is not None:
+        mod = relax.transform.LegalizeOps(legalizations)(mod)
     with tvm.target.Target("llvm"):
         theirs = returned_value(relax.transform.FoldConstant()(mod))
     return ours, theirs
@@ -97,6 +101,59 @@ def test_unary_ops_fold_to_what_the_compiled_kernel_computes(x, name):
     ours, theirs = folded_by_both(lambda: UNARY[name](relax.const(x)))
     assert ours is not None
     np.testing.assert_array_equal(ours, theirs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), mode=st.sampled_from(["clip", "wrap", "fast"]), dtype=st.sampled_from(["float32", "int64"]))
+def test_take_folds_to_what_the_compiled_kernel_computes(data, mode, dtype):
+    x = data.draw(arrays(dtype, hnp.array_shapes(min_dims=1, max_dims=3, max_side=4)))
+    axis = data.draw(st.integers(-x.ndim, x.ndim - 1))
+    extent = x.shape[axis]
+    # "fast" reads out of bounds outside [0, extent): those indices are not compared
+    low, high = (0, extent - 1) if mode == "fast" else (-2 * extent, 2 * extent)
+    indices = data.draw(hnp.arrays("int64", hnp.array_shapes(min_dims=0, max_dims=2, max_side=3),
+                                   elements=st.integers(low, high)))
+    ours, theirs = folded_by_both(
+        lambda: relax.op.take(relax.const(x, dtype), relax.const(indices, "int64"), axis=axis, mode=mode))
+    assert ours is not None, f"take ({mode}) was not folded"
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), reduction=st.sampled_from(["update", "add", "mul", "min", "max"]),
+       dtype=st.sampled_from(["float32", "int32"]))
+def test_scatter_elements_folds_to_what_the_compiled_kernel_computes(data, reduction, dtype):
+    """Duplicate and negative indices, and indices shorter than the data, included: the updates
+    apply in the kernel's order (tightfit's kernel, which LegalizeOps gives in the pipeline)."""
+    x = data.draw(arrays(dtype, hnp.array_shapes(min_dims=1, max_dims=3, max_side=4)))
+    axis = data.draw(st.integers(-x.ndim, x.ndim - 1))
+    extent = x.shape[axis]
+    shape = [data.draw(st.integers(1, 5 if dim == axis % x.ndim else side)) for dim, side in enumerate(x.shape)]
+    indices = data.draw(hnp.arrays("int64", shape, elements=st.integers(-extent, extent - 1)))
+    updates = data.draw(arrays(dtype, st.just(shape)))
+    ours, theirs = folded_by_both(lambda: relax.op.scatter_elements(
+        relax.const(x, dtype), relax.const(indices, "int64"), relax.const(updates, dtype), axis=axis,
+        reduction=reduction), legalize_scatter_elements())
+    assert ours is not None, f"scatter_elements ({reduction}) was not folded"
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_integer_ranges_fold_and_float_ranges_are_left_to_fold_constant():
+    """A float range rounds `start + i * step` as the kernel's code does (perhaps in one FMA)."""
+    folded = returned_value(FoldConstantsOnHost()(module_of(lambda: relax.op.arange(-3, 9, 2, "int64"))))
+    np.testing.assert_array_equal(folded, np.arange(-3, 9, 2))
+    assert folded.dtype == np.int64
+    assert returned_value(FoldConstantsOnHost()(module_of(lambda: relax.op.arange(0, 1, 0.1, "float32")))) is None
+
+
+def test_indices_out_of_range_are_left_to_fold_constant():
+    """The kernel reads (take, mode "fast") or writes (scatter_elements) out of bounds there."""
+    x = relax.const(np.arange(4, dtype="float32"))
+    for make_call in (lambda: relax.op.take(x, relax.const(np.array([4]), "int64"), axis=0),
+                      lambda: relax.op.scatter_elements(x, relax.const(np.array([-5]), "int64"),
+                                                        relax.const(np.array([1.0], "float32")))):
+        mod = FoldConstantsOnHost()(module_of(make_call))
+        assert returned_value(mod) is None, make_call().op.name
 
 
 def test_integer_division_by_zero_and_inexact_ops_are_left_to_fold_constant():
