@@ -26,7 +26,11 @@ What is written back into the IR (no output value changes):
   type right after it, a fresh symbol standing for each dim still unknown; its uses move to it;
 - function attributes: `tightfit.rdp` (binding name → RDP value, as text), `tightfit.rdp_equalities`
   (the symbolic equalities proven or required), `tightfit.dynamism` (re-classified with what RDP
-  knows: an op whose shape-giving input RDP determined moves to its less dynamic class).
+  knows: an op whose shape-giving input RDP determined moves to its less dynamic class);
+- a pure call whose every element RDP knows is bound to that constant instead (the constant part
+  of the propagation, SoD2 §4.1): a transformer's attention scale, computed from a static dim of
+  a dynamic shape (`take(shape_to_tensor(shape), 2)`), then folds (FoldConstantCalls) instead of
+  running as kernels.
 Limits: one function at a time (calls to other functions give only their declared type); no
 `Loop` (the frontend imports none); values are tracked for integer tensors of at most
 MAX_VALUE_ELEMENTS elements; the tightening uses only symbols in scope at the binding.
@@ -37,6 +41,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 from tvm import relax, tirx
 
@@ -353,6 +358,42 @@ def _used_only_by_match_cast(func: relax.Function) -> set[str]:
     return {name for name, kinds in uses.items() if kinds == {"cast"}}
 
 
+@relax.expr_functor.mutator
+class _KnownValuesAsConstants(relax.PyExprMutator):
+    """Each pure call whose every element RDP knows, bound to that constant instead."""
+
+    def __init__(self, mod, constants: dict):
+        super().__init__(mod)
+        self.constants = constants  # binding name -> relax constant
+
+    def visit_var_binding_(self, binding):
+        value = binding.value
+        constant = self.constants.get(binding.var.name)
+        if constant is None or not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+                                    and value.op.get_attr("FPurity")):
+            super().visit_var_binding_(binding)
+            return
+        var = (relax.DataflowVar if isinstance(binding.var, relax.DataflowVar) else relax.Var)(
+            binding.var.name, constant.ty)
+        self.builder_.emit_normalized(relax.VarBinding(var, constant))
+        self.set_var_remap(binding.var, var)
+
+
+def _known_values(func: relax.Function, result: RDPResult) -> dict:
+    """The tensors of `func`'s bindings whose every element RDP knows, as constants."""
+    facts = result._by_name()
+    constants = {}
+    for binding in iter_bindings(func):
+        fact = facts.get(binding.var.name)
+        ty = binding.var.ty
+        if (fact is None or fact.kind != "tensor" or fact.values is None or not isinstance(ty, relax.TensorType)
+                or not all(isinstance(value, tirx.IntImm) for value in (*fact.dims, *fact.values))):
+            continue
+        values = np.array([int(value) for value in fact.values], dtype=str(ty.dtype))
+        constants[binding.var.name] = relax.const(values.reshape([int(dim) for dim in fact.dims]), str(ty.dtype))
+    return constants
+
+
 def write_back(func: relax.Function, result: RDPResult, mod: tvm.IRModule) -> relax.Function:
     substitution = resolved_substitution(result.symbols)
     if substitution:
@@ -360,6 +401,9 @@ def write_back(func: relax.Function, result: RDPResult, mod: tvm.IRModule) -> re
     tighter = _tighter_types(func, result)
     if tighter:
         func = _Tighten(mod, tighter).visit_expr(func)
+    known = _known_values(func, result)
+    if known:
+        func = _KnownValuesAsConstants(mod, known).visit_expr(func)
     defined = {var: var for var in input_symbols(func)}
     ret_ty = relax.analysis.erase_to_well_defined(func.body.ty, defined)
     func = relax.Function(func.params, func.body, ret_ty, func.is_pure, func.attrs, func.span)

@@ -92,6 +92,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         FoldConstantCalls(),
         ClassifyDynamism(),
         RankDimensionPropagation(),
+        # what RDP bound to constants (values it knows) folds on: those calls run no kernel
+        FoldConstantCalls(),
         # an elementwise op whose shape RDP could not resolve is broadcast at run time
         BroadcastAtRunTime(),
         # 2. kernels and weights: attention as one kernel (SoD2 §4.2), each conv's algorithm and

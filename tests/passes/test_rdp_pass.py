@@ -143,6 +143,39 @@ def test_shape_values_computed_by_tensor_arithmetic_solve_the_reshape_symbols():
     assert classes["flat"] == "ISDOS"  # was ISVDOS: RDP knows the value of its shape argument
 
 
+def test_a_call_whose_value_rdp_knows_is_bound_to_that_constant():
+    """An attention scale from a static dim of a dynamic shape: the take becomes its constant,
+    so the calls after it fold (FoldConstantCalls) instead of running as kernels; the shape
+    tensor, whose first element is only known as a symbol, stays a call."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float32")):
+            with R.dataflow():
+                dims = R.shape_to_tensor(R.shape_of(x))
+                width = R.take(dims, R.const(1, "int64"), axis=0)
+                scale = R.astype(width, "float32")
+                y = R.divide(x, scale)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float32")) -> R.Tensor(("n", 8), "float32"):
+            n = T.int64()
+            with R.dataflow():
+                lv = R.shape_of(x)
+                dims = R.shape_to_tensor(lv)
+                width = R.const(8, "int64")
+                scale = R.astype(width, "float32")
+                y = R.divide(x, scale)
+                R.output(y)
+            return y
+
+    assert_rewritten(Before, Expected)
+
+
 def test_concat_and_matmul_pass_a_length_back_to_a_nonzero_count():
     @I.ir_module
     class Before:
