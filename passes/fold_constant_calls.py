@@ -16,11 +16,12 @@ This pass shows FoldConstant only what it can fold: each call (an operator's, or
 binds the constant it evaluates to in the call's place. A call numpy computes exactly is folded
 with numpy instead (fold_constants_on_host.py): this pass's folds feed calls that pass did not
 see on constants, and compiling each would take tens of ms (in ONNX's expanded Attention, a
-`take` of a folded `scatter_elements` feeds a `maximum`, an `add` and a `negative`). A binding to a constant is replaced at
-each of its uses, so chains fold in one walk. FoldConstant folds the same calls as over the whole
-module, with its own rules (what it declines to fold stays a call), except a call with no
-arguments at all (after legalization, the kernel of an arange or an identity matrix), which
-stays a call: over the whole module FoldConstant stored its output in the package.
+`take` of a folded `scatter_elements` feeds a `maximum`, an `add` and a `negative`). A binding
+to a constant is replaced at each of its uses, so chains fold in one walk. FoldConstant folds
+the same calls as over the whole module, with its own rules (what it declines to fold stays a
+call), except a call with no arguments at all (after legalization, the kernel of an arange or an
+identity matrix), which stays a call: over the whole module FoldConstant stored its output in
+the package.
 """
 
 from __future__ import annotations

@@ -386,11 +386,13 @@ def _known_values(func: relax.Function, result: RDPResult) -> dict:
     for binding in iter_bindings(func):
         fact = facts.get(binding.var.name)
         ty = binding.var.ty
-        if (fact is None or fact.kind != "tensor" or fact.values is None or not isinstance(ty, relax.TensorType)
-                or not all(isinstance(value, tirx.IntImm) for value in (*fact.dims, *fact.values))):
+        if fact is None or fact.kind != "tensor" or fact.values is None or not isinstance(ty, relax.TensorType):
             continue
-        values = np.array([int(value) for value in fact.values], dtype=str(ty.dtype))
-        constants[binding.var.name] = relax.const(values.reshape([int(dim) for dim in fact.dims]), str(ty.dtype))
+        if not all(isinstance(value, tirx.IntImm) for value in (*fact.dims, *fact.values)):
+            continue
+        dtype = str(ty.dtype)
+        values = np.array([int(value) for value in fact.values], dtype=dtype)
+        constants[binding.var.name] = relax.const(values.reshape([int(dim) for dim in fact.dims]), dtype)
     return constants
 
 
