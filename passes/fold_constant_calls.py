@@ -29,9 +29,14 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from ..schedules.reduce_extrema import legalize_float_extrema
+from ..schedules.scatter_elements import legalize_scatter_elements
 from .fold_constants_on_host import fold_on_host
 
 CALL_TIR = "relax.call_tir"
+# ops whose TVM kernels compute other values than ONNX's, and tightfit's kernels for them: a fold
+# computes what the compiled model would
+TIGHTFIT_KERNELS = {**legalize_float_extrema(), **legalize_scatter_elements()}
 
 
 @relax.expr_functor.mutator
@@ -77,7 +82,10 @@ class _ConstantCallFolder(relax.PyExprMutator):
             with builder.dataflow():  # FoldConstant folds in dataflow blocks only
                 value = builder.emit_output(call)
             builder.emit_func_output(value)
-        folded = relax.transform.FoldConstant()(builder.get())["main"].body.body
+        mod = builder.get()
+        if not _is_call_tir(call) and call.op.name in TIGHTFIT_KERNELS:
+            mod = relax.transform.LegalizeOps(TIGHTFIT_KERNELS)(mod)
+        folded = relax.transform.FoldConstant()(mod)["main"].body.body
         return folded if isinstance(folded, tvm.ir.GenericConst) else None
 
 

@@ -80,3 +80,26 @@ def test_calls_on_unknown_shapes_stay_while_the_constants_beside_them_fold(unkno
         call, folded = returned(FoldConstantCalls()(mod))
     assert isinstance(call, relax.Call) and isinstance(folded, np.ndarray)
     np.testing.assert_allclose(folded, np.exp(np.array([0.0, 0.5, 1.0], np.float32)).sum(), rtol=1e-6)
+
+
+def test_a_fold_computes_what_tightfits_kernels_would_where_tvms_differ(monkeypatch):
+    """Calls numpy does not fold (here: none, as for a tensor past the host fold's size limit)
+    are compiled with the kernels the pipeline legalizes them to: a max over a row that is -inf
+    everywhere is -inf (TVM's starts from the lowest finite float), and a scatter of indices
+    shorter than the data lands where ONNX puts it."""
+    from tightfit.passes import fold_constant_calls
+
+    monkeypatch.setattr(fold_constant_calls, "fold_on_host", lambda call: None)
+    rows = relax.const(np.array([[-np.inf, -np.inf], [1.0, -np.inf]], np.float32))
+    data = relax.const(np.zeros((1, 2, 2), np.float32))
+    indices = relax.const(np.zeros((1, 2, 1), np.int64))
+    updates = relax.const(np.ones((1, 2, 1), np.float32))
+
+    def body(builder):
+        return relax.Tuple([builder.emit(relax.op.max(rows, axis=[1])),
+                            builder.emit(relax.op.scatter_elements(data, indices, updates, axis=0))])
+
+    with tvm.target.Target("llvm"):
+        row_max, scattered = returned(FoldConstantCalls()(module_of(body)))
+    np.testing.assert_array_equal(row_max, [-np.inf, 1.0])
+    np.testing.assert_array_equal(scattered, [[[1.0, 0.0], [1.0, 0.0]]])
