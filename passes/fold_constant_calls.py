@@ -29,14 +29,12 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..schedules.reduce_extrema import legalize_float_extrema
-from ..schedules.scatter_elements import legalize_scatter_elements
+from ..schedules import legalize_as_onnx
 from .fold_constants_on_host import fold_on_host
 
 CALL_TIR = "relax.call_tir"
-# ops whose TVM kernels compute other values than ONNX's, and tightfit's kernels for them: a fold
-# computes what the compiled model would
-TIGHTFIT_KERNELS = {**legalize_float_extrema(), **legalize_scatter_elements()}
+# a fold computes what the compiled model would: with tightfit's kernels where TVM's differ
+ONNX_KERNELS = legalize_as_onnx()
 
 
 @relax.expr_functor.mutator
@@ -83,8 +81,8 @@ class _ConstantCallFolder(relax.PyExprMutator):
                 value = builder.emit_output(call)
             builder.emit_func_output(value)
         mod = builder.get()
-        if not _is_call_tir(call) and call.op.name in TIGHTFIT_KERNELS:
-            mod = relax.transform.LegalizeOps(TIGHTFIT_KERNELS)(mod)
+        if not _is_call_tir(call) and call.op.name in ONNX_KERNELS:
+            mod = relax.transform.LegalizeOps(ONNX_KERNELS)(mod)
         folded = relax.transform.FoldConstant()(mod)["main"].body.body
         return folded if isinstance(folded, tvm.ir.GenericConst) else None
 

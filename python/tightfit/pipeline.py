@@ -44,13 +44,7 @@ from .passes import (
     WriteScalarsToShapeHeap,
     legalize_views,
 )
-from .schedules import (
-    FallbackCPUSchedule,
-    ScheduleKernels,
-    legalize_float_extrema,
-    legalize_max_pool,
-    legalize_scatter_elements,
-)
+from .schedules import FallbackCPUSchedule, ScheduleKernels, legalize_as_onnx, legalize_max_pool
 from .weight_file import WeightTensor
 from .target import CompileTarget
 
@@ -110,8 +104,7 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         LowerNonZero(),
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
-        relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool(),
-                                     **legalize_float_extrema(), **legalize_scatter_elements()}),
+        relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool(), **legalize_as_onnx()}),
         relax.transform.AnnotateTIROpPattern(),
         FuseThroughUnitAxisViews(),
         FoldConstantCalls(),
