@@ -31,8 +31,12 @@ Three direct kernels, each a run-time version beside the packed kernel's:
 All three apply the fused epilogue (bias, ReLU6) to the sums lane by lane in a vectorized
 loop, as the packed kernel's write-back applies it, and are used where that epilogue reads,
 besides the sums, only values that do not change along a row (the flat kernel: along the
-plane), with dilation 1, for ISAs whose masked loads are fast (isa.VectorISA.fast_masks:
-AVX-512; NEON loads masked lanes one by one). Measured in one process, 2 threads, per layer
+plane), with dilation 1, for ISAs whose masked loads and stores are fast
+(isa.VectorISA.fast_masks: AVX-512; NEON moves masked lanes one by one, and AMD Zen's AVX2
+masked store is slow: on such a host, 2 threads, MobileNetV2's depthwise layers alone at
+2x3x160x128, the direct kernels ran 960 x 5x4 15% faster but 576 x 10x8 -> 5x4 at stride 2,
+each of its 4-wide rows one masked store, 50% slower, the 17 layers 1.3% faster in all; the
+row tiles, whose filter does not fit AVX2's 16 registers, do not apply there). Measured in one process, 2 threads, per layer
 alone at batch 2, packed -> direct: 576 x 10x8 -> 5x4 36.5 -> 21.8 us, 192 x 20x16 -> 10x8
 29.5 -> 15.4 us, 144 x 40x32 -> 20x16 38.4 -> 28.2 us; 960 x 5x4 21.7 -> 17.3 us, 384 x 10x8
 15.5 -> 13.4 us, 576 x 10x8 and 960 x 7x7 unchanged. Wider strided rows, one at a time, lost

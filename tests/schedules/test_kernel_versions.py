@@ -26,7 +26,7 @@ from tightfit.schedules.conv2d import FLAT_PIXELS_ANNOTATION
 from tightfit.schedules.conv_cost import WINOGRAD_TILES
 from tightfit.schedules.dispatch import row_buckets
 from tightfit.pipeline import PipelineOptions, run_pipeline
-from tightfit.schedules.isa import isa_for_target
+from tightfit.schedules.isa import AVX2, AVX512, NEON, SSE, isa_for_target
 from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.schedules.prefetch import (
     PREFETCH_CHANNELS_AHEAD,
@@ -42,6 +42,8 @@ from tightfit.testing import zoo
 from kernel_harness import kernel_blocks, selected_algorithms
 
 ARM64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
+# where a test's numbers are AVX-512's tiles, it schedules for this target on any host
+AVX512_TARGET = {"kind": "llvm", "mcpu": "skylake-avx512"}
 
 
 def _model(name, nodes, inputs, outputs, initializers) -> onnx.ModelProto:
@@ -135,9 +137,9 @@ def register_tile_edges(rows: int) -> list[int]:
     return sorted(set(row_edges(rows)) | {short - 1, short, short + 1, 2 * short + 1})
 
 
-def host_rows(columns: int, panel_width: int | None = None) -> int:
-    """The register tile's rows for `columns` output columns on this host (no knob records)."""
-    isa = isa_for_target(resolve_target("host").tvm_target)
+def tile_rows(columns: int, panel_width: int | None = None, target="host") -> int:
+    """The register tile's rows for `columns` output columns on `target` (no knob records)."""
+    isa = isa_for_target(resolve_target(target).tvm_target)
     return default_tile_knobs(isa, columns, tvm.tirx.Var("m", "int64"), panel_width).rows
 
 
@@ -158,10 +160,10 @@ def assert_matches_onnxruntime(model, kernel, knob_database, feeds_at, extents,
 
 
 def _scheduled_kernel_func(model, kernel_name: str, knob_database: str,
-                           conv_algorithms=None) -> tvm.tirx.PrimFunc:
-    """`model`'s scheduled PrimFunc whose name holds `kernel_name`."""
+                           conv_algorithms=None, target="host") -> tvm.tirx.PrimFunc:
+    """`model`'s scheduled PrimFunc for `target` whose name holds `kernel_name`."""
     options = PipelineOptions(knob_database=knob_database, conv_algorithms=conv_algorithms)
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target(target), options,
                                 stop_after="tightfit.FallbackCPUSchedule")
     return next(func for global_var, func in scheduled.functions.items()
                 if kernel_name in global_var.name_hint)
@@ -192,8 +194,8 @@ def test_dense_versions_match_onnxruntime_at_row_bucket_edges(knob_database, mon
     assert outermost == ("i1_0" if panels_outer and columns > 32 else "i0_0")
     assert_matches_onnxruntime(model, "dense_packed", knob_database,
                                lambda m: {"x": _normal(m, 24)},
-                               register_tile_edges(host_rows(columns))
-                               + [2 * host_rows(columns) - 1, 2 * host_rows(columns)])
+                               register_tile_edges(tile_rows(columns))
+                               + [2 * tile_rows(columns) - 1, 2 * tile_rows(columns)])
 
 
 def test_attention_scores_over_a_symbolic_sequence_match_onnxruntime(knob_database):
@@ -211,7 +213,7 @@ def test_attention_scores_over_a_symbolic_sequence_match_onnxruntime(knob_databa
     assert "masked_store" in kernel
     # (the division by the constant 2 is a multiplication by 0.5: UseFastMath)
     assert re.search(r"\n\s*T_multiply_intermediate\[[^\n]*\] = matmul_packed_rhs_out_row\[", kernel)
-    extents = sorted(set(range(1, 4 * lanes + 2)) | set(register_tile_edges(host_rows(lanes))))
+    extents = sorted(set(range(1, 4 * lanes + 2)) | set(register_tile_edges(tile_rows(lanes))))
     assert_matches_onnxruntime(model, "matmul_packed_rhs", knob_database,
                                lambda s: {"q": _normal(2, s, 8), "k": _normal(2, 8, s)}, extents)
 
@@ -240,7 +242,7 @@ def test_transposed_keys_are_packed_from_their_own_layout(knob_database):
                if isinstance(func, tvm.tirx.PrimFunc)]
     assert not any("transpose" in name for name in kernels), kernels
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
-    extents = sorted(set(range(1, 2 * lanes + 2)) | set(register_tile_edges(host_rows(lanes))))
+    extents = sorted(set(range(1, 2 * lanes + 2)) | set(register_tile_edges(tile_rows(lanes))))
     assert_matches_onnxruntime(model, "matmul_packed_rhs", knob_database,
                                lambda s: {"q": _normal(2, s, 8), "k": _normal(2, s, 8)}, extents)
 
@@ -278,7 +280,7 @@ def test_a_transpose_after_a_matmul_is_done_by_its_write_back(knob_database, per
                if isinstance(func, tvm.tirx.PrimFunc)]
     assert any("matmul_packed_rhs" in name for name in kernels), kernels
     assert any("transpose" in name for name in kernels) != (folded and not extra_use), kernels
-    extents = sorted(set(range(1, 6)) | set(register_tile_edges(host_rows(8))))
+    extents = sorted(set(range(1, 6)) | set(register_tile_edges(tile_rows(8))))
     assert_matches_onnxruntime(model, "matmul_packed_rhs", knob_database,
                                lambda s: {"p": _normal(2, 3, s, s), "v": _normal(2, 3, s, 8)},
                                extents)
@@ -311,13 +313,13 @@ def test_attention_scores_take_short_tiles_where_long_ones_compute_many_rows_twi
         knob_database, tokens, long_tiles):
     """Past a tile's rows, a GEMM's long tiles run only where they cost less than short ones
     (register_tile.version_slots), as a direct conv's do: 16 tokens in 15-row tiles
-    computed 30 rows (transformer_encoder_dynamo at 3x16, whole run: 36.99 -> 30.34 us)."""
-    isa = isa_for_target(resolve_target("host").tvm_target)
-    if isa.lanes != 16:
-        pytest.skip("the token counts are those of AVX-512's 15-row tiles")
-    func = _scheduled_kernel_func(attention_scores_model(), "matmul_packed_rhs", knob_database)
+    computed 30 rows (transformer_encoder_dynamo at 3x16, whole run: 36.99 -> 30.34 us). The
+    token counts are those of AVX-512's 15-row tiles: scheduled for AVX-512 on any host."""
+    func = _scheduled_kernel_func(attention_scores_model(), "matmul_packed_rhs", knob_database,
+                                  target=AVX512_TARGET)
     assert max(_unrolled_loops_run_at(func, tokens)) == (
-        host_rows(SYMBOLIC_COLUMNS) if long_tiles else register_tile.SHORT_TILE_ROWS)
+        tile_rows(SYMBOLIC_COLUMNS, target=AVX512_TARGET) if long_tiles
+        else register_tile.SHORT_TILE_ROWS)
 
 
 @pytest.mark.parametrize("columns, rows, one_at_a_time", [
@@ -327,15 +329,14 @@ def test_a_gemm_runs_few_rows_one_at_a_time_where_short_tiles_compute_many_twice
     """Below a tile's rows, a GEMM runs one row at a time across several of its weight's panels
     (register_tile.single_row_knobs) where that takes fewer issue slots than 4-row tiles, which
     cover 5 rows in 8 (register_tile.version_slots): 96 columns at 5, 6 and 9 rows; 4-row
-    tiles at 4 and 8 rows, and over 32 columns, where one row has too few chains."""
-    isa = isa_for_target(resolve_target("host").tvm_target)
-    if isa.lanes != 16:
-        pytest.skip("the row counts are those of AVX-512's tiles")
-    func = _scheduled_kernel_func(dense_model(columns), "dense_packed", knob_database)
+    tiles at 4 and 8 rows, and over 32 columns, where one row has too few chains. The row
+    counts are those of AVX-512's tiles: scheduled for AVX-512 on any host, run on the host."""
+    func = _scheduled_kernel_func(dense_model(columns), "dense_packed", knob_database,
+                                  target=AVX512_TARGET)
     unrolled = _unrolled_loops_run_at(func, rows)
     assert (register_tile.SHORT_TILE_ROWS not in unrolled) == one_at_a_time
     if one_at_a_time:
-        assert max(unrolled) == columns // isa.lanes  # every panel in one row's chains
+        assert max(unrolled) == columns // AVX512.lanes  # every panel in one row's chains
     assert_matches_onnxruntime(dense_model(columns), "dense_packed", knob_database,
                                lambda m: {"x": _normal(m, 24)}, [rows])
 
@@ -364,7 +365,7 @@ def test_an_epilogue_reading_a_value_twice_is_computed_in_the_write_back(knob_da
         "dense_packed_tiles_init", "dense_packed_tiles_update", "dense_packed_out"}
     assert_matches_onnxruntime(model, "dense_packed", knob_database,
                                lambda m: {"x": _normal(m, 24)},
-                               register_tile_edges(host_rows(40)))
+                               register_tile_edges(tile_rows(40)))
 
 
 def test_an_add_that_broadcasts_the_product_up_stays_outside_the_write_back(knob_database):
@@ -384,7 +385,7 @@ def test_an_add_that_broadcasts_the_product_up_stays_outside_the_write_back(knob
         model, "matmul_packed_rhs", knob_database,
         lambda m: {"a": _normal(1, 3, m, 8), "b": _normal(1, 3, 8, 12),
                    "mask": _normal(2, 3, m, 12)},
-        register_tile_edges(host_rows(12)))
+        register_tile_edges(tile_rows(12)))
 
 
 def test_skinny_dense_spends_the_registers_on_vectors_and_runs_over_panels(knob_database):
@@ -425,7 +426,7 @@ def test_direct_conv_versions_match_onnxruntime_at_width_bucket_edges(knob_datab
     downsampling convs, conv_cost.DIRECT_EFFICIENCY_BY_CHANNELS). Beyond a tile the long
     tiles run only where they cost less than short ones (version_slots): at a tile's
     width, and two tiles' less one (a shifted last tile)."""
-    rows = host_rows(24, CONV_PANEL_WIDTH)
+    rows = tile_rows(24, CONV_PANEL_WIDTH)
     widths = sorted({stride * (edge - 1) + 1
                      for edge in register_tile_edges(rows) + [2 * rows - 1, 2 * rows]})
     assert_matches_onnxruntime(conv_model(channels, 24, groups=1, kernel=kernel, stride=stride),
@@ -449,7 +450,7 @@ def test_direct_conv_weights_over_the_threshold_prefetch_their_rows_channels_ahe
     assert "llvm.prefetch" not in _scheduled_kernel(
         conv_model(channels, out_channels // 4, groups=1, stride=2), "conv2d", knob_database,
         ("direct",))
-    rows = host_rows(out_channels, CONV_PANEL_WIDTH)
+    rows = tile_rows(out_channels, CONV_PANEL_WIDTH)
     assert_matches_onnxruntime(model, "conv2d_direct", knob_database,
                                lambda w: {"x": _normal(1, channels, 5, w)},
                                [1, 2 * rows - 1, 2 * rows + 5], conv_algorithms=("direct",))
@@ -461,9 +462,7 @@ def test_short_tiles_run_where_long_ones_would_compute_many_rows_twice(out_width
     """ResNet-18's 64 -> 128 stride-2 conv, 15-row tiles of one vector against 4 x 2 short
     tiles: a 16-wide row in long tiles computes 30 rows (1 thread: 315 against 189 us), a 30-wide
     one none twice (609 against 700 us); a symbolic width gets the same test at run time."""
-    knobs, isa = TileKnobs(rows=15, vectors=1), isa_for_target(resolve_target("host").tvm_target)
-    if isa.lanes != 16:
-        pytest.skip("the measured tiles are AVX-512's")
+    knobs, isa = TileKnobs(rows=15, vectors=1), AVX512  # the measured tiles are AVX-512's
     tiles = {register_tile.ROW_TILES: knobs,
              register_tile.SHORT_ROW_TILES: register_tile.short_tile_knobs(knobs, 128, isa)}
 
@@ -502,7 +501,7 @@ def test_short_tiles_cover_a_narrow_map_once(knob_database):
     rewrite_loop_nest(kernel.body, lambda realize: realize, on_enter_for=note_tile_loop)
     assert tile_loops, "no short-tile version"
     width = next(iter(tvm.tirx.analysis.undefined_vars(tile_loops[0])))
-    for out_width in range(short, host_rows(24, CONV_PANEL_WIDTH)):
+    for out_width in range(short, tile_rows(24, CONV_PANEL_WIDTH)):
         analyzer = tvm.sym.Analyzer()
         analyzer.bind(width, 2 * out_width - 1)
         assert {int(analyzer.simplify(extent)) for extent in tile_loops} == {-(-out_width // short)}
@@ -512,13 +511,22 @@ def test_short_tiles_cover_a_narrow_map_once(knob_database):
 def test_a_narrow_static_map_reads_several_conv_panels_at_a_time(knob_database, width):
     """A direct conv over a static map narrower than a tile: its rows are the tile's height and
     its weight panels are read together, enough for register_tile.SKINNY_VECTORS independent
-    multiply-add chains where the output channels make that many panels (ResNet-18's 512 -> 512 3x3 convs at a static 4x4 ran 4 x 1 tiles:
-    293 -> 187 us each); the outputs still match onnxruntime."""
+    multiply-add chains where the output channels make that many panels and the registers hold
+    them (ResNet-18's 512 -> 512 3x3 convs at a static 4x4 ran 4 x 1 tiles: 293 -> 187 us
+    each); the outputs still match onnxruntime. A map as wide as the host's tile (7 columns
+    against AVX2's 6 rows, in 16 registers) gets a tile's rows or fewer."""
     isa = isa_for_target(resolve_target("host").tvm_target)
+    tile_rows = default_tile_knobs(isa, 64, None, CONV_PANEL_WIDTH).rows
     knobs = default_tile_knobs(isa, 64, width, CONV_PANEL_WIDTH)
-    assert knobs.rows == width and isa.fits_registers(knobs.rows, knobs.vectors)
-    assert knobs.rows * knobs.vectors >= min(register_tile.SKINNY_VECTORS, width * 64 // isa.lanes)
-    assert 64 % (knobs.vectors * isa.lanes) == 0
+    assert isa.fits_registers(knobs.rows, knobs.vectors) and 64 % (knobs.vectors * isa.lanes) == 0
+    if width < tile_rows:
+        wider_fitting = [v for v in range(knobs.vectors + 1, register_tile.SKINNY_VECTORS + 1)
+                         if 64 % (v * isa.lanes) == 0 and isa.fits_registers(width, v)]
+        assert knobs.rows == width
+        assert (knobs.rows * knobs.vectors >= min(register_tile.SKINNY_VECTORS,
+                                                  width * 64 // isa.lanes) or not wider_fitting)
+    else:
+        assert knobs.rows <= tile_rows
     model = conv_model(32, 64, groups=1, height=3)
     model.graph.input[0].type.tensor_type.shape.dim[3].dim_value = width
     options = PipelineOptions(knob_database=knob_database, conv_algorithms=("direct",))
@@ -804,7 +812,6 @@ def test_pointwise_convs_that_row_tiles_give_one_vector_run_channel_vectors_on_a
 def test_channel_vector_tiles_fit_each_vector_unit():
     """Two 16-channel panels x 7 pixels where AVX-512's registers hold them; NEON's panel is
     four vectors, so one panel x 6 pixels (28 accumulators of 32 registers)."""
-    from tightfit.schedules.isa import AVX2, AVX512, NEON
     assert conv2d.channel_vector_tile(AVX512, 64) == (2, 7)
     assert conv2d.channel_vector_tile(AVX512, 48) == (1, 7)
     assert conv2d.channel_vector_tile(NEON, 64) == (1, 6)
@@ -857,7 +864,6 @@ def test_depthwise_tiles_are_as_many_rows_as_the_registers_hold():
     """Four rows of a 3x3 tile with the input rows they share need 31 registers: AVX-512 and
     NEON (32) tile four rows, AVX2 and SSE (16) one; a 5x5 tile's 25 taps leave no room for
     shared rows anywhere. The kernel carries its rows for the schedule."""
-    from tightfit.schedules.isa import AVX2, AVX512, NEON, SSE
     assert [conv2d.depthwise_rows(isa, 3, 3) for isa in (AVX512, NEON, AVX2, SSE)] == [4, 4, 1, 1]
     assert conv2d.depthwise_rows(AVX512, 5, 5) == 1
     for mcpu, rows in [("haswell", 1), ("skylake-avx512", 4)]:
