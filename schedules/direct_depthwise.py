@@ -28,30 +28,30 @@ Three direct kernels, each a run-time version beside the packed kernel's:
   twice the rows fit the registers (the packed tile holds its shared input rows there too);
   at a stride, each input row's loads and shuffles serve every output row that reads it.
 
-All three apply the fused epilogue (bias, ReLU6) to the sums lane by lane in a vectorized
-loop, as the packed kernel's write-back applies it, and are used where that epilogue reads,
-besides the sums, only values that do not change along a row (the flat kernel: along the
-plane), with dilation 1, for ISAs whose masked loads and stores are fast
-(isa.VectorISA.fast_masks: AVX-512; NEON moves masked lanes one by one, and AMD Zen's AVX2
-masked store is slow: on such a host, 2 threads, MobileNetV2's depthwise layers alone at
-2x3x160x128, the direct kernels ran 960 x 5x4 15% faster but 576 x 10x8 -> 5x4 at stride 2,
-each of its 4-wide rows one masked store, 50% slower, the 17 layers 1.3% faster in all; the
-row tiles, whose filter does not fit AVX2's 16 registers, do not apply there). Measured in one process, 2 threads, per layer
-alone at batch 2, packed -> direct: 576 x 10x8 -> 5x4 36.5 -> 21.8 us, 192 x 20x16 -> 10x8
-29.5 -> 15.4 us, 144 x 40x32 -> 20x16 38.4 -> 28.2 us; 960 x 5x4 21.7 -> 17.3 us, 384 x 10x8
-15.5 -> 13.4 us, 576 x 10x8 and 960 x 7x7 unchanged. Wider strided rows, one at a time, lost
-to the packed kernel: at stride 2 with two vectors a row (96 x 80x64 -> 40x32) direct took
-77.3 us against 67.9, the packed copy, made once per input row, costing less than three
-shuffles per tap row and output vector. Whole MobileNetV2, variants in turns: 2269-2315 ->
-2079-2085 us at 2x3x160x128, 1x3x224x224 within 1%. The row tiles, layers alone:
-DIRECT_TILE_ROWS. Whole models, in one process, without and with them at unit stride (inside
-a run a layer reads what the kernel before it wrote, often from the other core's cache, and
-gains less than alone): mobilenet_v2_style 60.9 -> 53.7 us at 1x3x64x64 and 171.3 -> 149.6
-us at 2x3x96x80, MobileNetV2 2119 -> 2090 us at 1x3x224x224 and 1872 -> 1860 us at
-2x3x160x128, grouped_convnet 139.6 -> 136.1 and 150.9 -> 147.0 us; MobileNetV2 compiles in
-27.1 s against 22.7 s. Then at stride 2 as well: MobileNetV2 2138 -> 2129 and 1962 -> 1932 us,
-mobilenet_v2_style 60.1 -> 59.3 and 153.3 -> 149.3 us, compiling in 25.7 s against 23.3 s.
-Planes (image x channel) run in parallel above the parallel threshold (dispatch.py).
+All three apply the fused epilogue (bias, ReLU6) to the sums lane by lane in a vectorized loop,
+as the packed kernel's write-back applies it, and are used where that epilogue reads, besides
+the sums, only values that do not change along a row (the flat kernel: along the plane), with
+dilation 1, for ISAs whose masked loads and stores are fast (isa.VectorISA.fast_masks: AVX-512;
+NEON moves masked lanes one by one, and AMD Zen's AVX2 masked store is slow: on such a host, 2
+threads, MobileNetV2's depthwise layers alone at 2x3x160x128, the direct kernels ran 960 x 5x4
+15% faster but 576 x 10x8 -> 5x4 at stride 2, each of its 4-wide rows one masked store, 50%
+slower, the 17 layers 1.3% faster in all; the row tiles, whose filter does not fit AVX2's 16
+registers, do not apply there). Measured in one process, 2 threads, per layer alone at batch 2,
+packed -> direct: 576 x 10x8 -> 5x4 36.5 -> 21.8 us, 192 x 20x16 -> 10x8 29.5 -> 15.4 us, 144 x
+40x32 -> 20x16 38.4 -> 28.2 us; 960 x 5x4 21.7 -> 17.3 us, 384 x 10x8 15.5 -> 13.4 us, 576 x
+10x8 and 960 x 7x7 unchanged. Wider strided rows, one at a time, lost to the packed kernel: at
+stride 2 with two vectors a row (96 x 80x64 -> 40x32) direct took 77.3 us against 67.9, the
+packed copy, made once per input row, costing less than three shuffles per tap row and output
+vector. Whole MobileNetV2, variants in turns: 2269-2315 -> 2079-2085 us at 2x3x160x128,
+1x3x224x224 within 1%. The row tiles, layers alone: DIRECT_TILE_ROWS. Whole models, in one
+process, without and with them at unit stride (inside a run a layer reads what the kernel
+before it wrote, often from the other core's cache, and gains less than alone):
+mobilenet_v2_style 60.9 -> 53.7 us at 1x3x64x64 and 171.3 -> 149.6 us at 2x3x96x80, MobileNetV2
+2119 -> 2090 us at 1x3x224x224 and 1872 -> 1860 us at 2x3x160x128, grouped_convnet 139.6 ->
+136.1 and 150.9 -> 147.0 us; MobileNetV2 compiles in 27.1 s against 22.7 s. Then at stride 2 as
+well: MobileNetV2 2138 -> 2129 and 1962 -> 1932 us, mobilenet_v2_style 60.1 -> 59.3 and 153.3
+-> 149.3 us, compiling in 25.7 s against 23.3 s. Planes (image x channel) run in parallel above
+the parallel threshold (dispatch.py).
 """
 
 from __future__ import annotations

@@ -27,11 +27,10 @@ from tightfit.schedules.isa import isa_for_target
 from tightfit.target import resolve_target
 
 from conftest import THRESHOLDS
-from kernel_harness import sessions_on_each_side
+from kernel_harness import AVX512_TARGET, sessions_on_each_side
 from test_row_kernels import scheduled_kernel
 
 CHANNELS = 5
-AVX512 = {"kind": "llvm", "mcpu": "skylake-avx512"}
 # (kernel, strides, pads top/left/bottom/right)
 WINDOWS = [
     ((3, 3), (2, 2), (1, 1, 1, 1)),  # MobileNet's stride-2 layers
@@ -89,7 +88,7 @@ def test_each_direct_kernel_is_a_version_where_it_applies(knob_database):
     the map, the row tiles only; a 5x5 filter, whose tile would not fit the registers, no row
     tiles. Each keeps the packed kernel for the maps its direct versions do not take."""
     def scheduled(window):
-        return scheduled_kernel(depthwise_model(*window), "depthwise", knob_database, AVX512)
+        return scheduled_kernel(depthwise_model(*window), "depthwise", knob_database, AVX512_TARGET)
 
     strided = scheduled(WINDOWS[0])
     assert "depthwise_sums" in strided and re.search(r'T\.masked_load\("float32x\d+", x,', strided)
@@ -110,7 +109,7 @@ def test_an_epilogue_that_reads_along_the_row_keeps_the_packed_kernel(knob_datab
     masked lanes would read past its row, so the packed kernel, whose write-back handles any
     epilogue, keeps those rows; the other conv (bias only) reads its narrow rows directly."""
     model = depthwise_model(*WINDOWS[0], epilogue="add")
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target(AVX512),
+    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target(AVX512_TARGET),
                                 PipelineOptions(knob_database=knob_database),
                                 stop_after="tightfit.FallbackCPUSchedule")
     kernels = [func.script() for global_var, func in scheduled.functions.items()
@@ -172,7 +171,7 @@ def test_a_static_map_compiles_only_the_kernel_that_runs_there(knob_database, ro
     DIRECT_TILE_ROWS output rows up holds the row tiles alone, one row fewer the packed kernel
     alone."""
     scheduled = scheduled_kernel(depthwise_model(*WINDOWS[7], spatial=(rows + 2, 22)),
-                                 "depthwise", knob_database, AVX512)
+                                 "depthwise", knob_database, AVX512_TARGET)
     present = {name for name in ("row_group", "depthwise_input_phases") if name in scheduled}
     assert present == kernels
 

@@ -39,11 +39,9 @@ from tightfit.schedules.tail_tiles import rewrite_loop_nest
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
 
-from kernel_harness import kernel_blocks, selected_algorithms
+from kernel_harness import AVX512_TARGET, kernel_blocks, selected_algorithms
 
 ARM64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
-# where a test's numbers are AVX-512's tiles, it schedules for this target on any host
-AVX512_TARGET = {"kind": "llvm", "mcpu": "skylake-avx512"}
 
 
 def _model(name, nodes, inputs, outputs, initializers) -> onnx.ModelProto:
