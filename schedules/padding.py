@@ -182,6 +182,9 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int, version_condition):
         with analyzer.constraint_scope(version_condition):
             return query(expr)
 
+    def provable(condition) -> bool:
+        return in_version(analyzer.can_prove, condition)
+
     phase_w = in_version(analyzer.simplify, packed.shape[4])
     row = realize.iter_values[2]
     index_type = row.ty.dtype
@@ -235,8 +238,8 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int, version_condition):
             return store(phase, begin + j, value if count == 1 else tirx.Broadcast(value, count),
                          count)
 
-        chunks, zeroed = chunk_steps(end_ - begin, lanes, index_type, chunk)
-        return chunks + element_steps(zeroed, end_ - begin, most_left, chunk)
+        chunks, zeroed = chunk_steps(end_ - begin, lanes, index_type, chunk, provable)
+        return chunks + element_steps(zeroed, end_ - begin, most_left, chunk, provable)
 
     def whole_row_zeros():
         return [stmt for phase in range(stride)
@@ -254,13 +257,13 @@ def _packed_row(realize: s_tir.SBlockRealize, lanes: int, version_condition):
         return _row_block(realize, data, row_view, row_region, inside, whole_row_zeros())
 
     inside_every_phase = functools.reduce(tirx.min, [end[p] - first[p] for p in range(stride)])
-    copies, copied = chunk_steps(inside_every_phase, lanes, index_type, chunk_copy)
+    copies, copied = chunk_steps(inside_every_phase, lanes, index_type, chunk_copy, provable)
     # a phase holds at most one more column than the one with fewest
     most_left = narrowest_chunk(lanes) if stride > 1 else narrowest_chunk(lanes) - 1
     for phase in range(stride):
         def copy(j, phase=phase):
             return store(phase, j, input_at(j * stride + phase - left))
-        copies += element_steps(first[phase] + copied, end[phase], most_left, copy)
+        copies += element_steps(first[phase] + copied, end[phase], most_left, copy, provable)
 
     if isinstance(phase_w, tirx.IntImm):
         # A row of static width (a map narrower than a tile) is zeroed whole, in stores whose
@@ -304,7 +307,9 @@ def _row_block(realize, data, row_view, row_region, inside_stmts, outside_stmts)
     height, width = data.shape[2], data.shape[3]
     whole = tvm.ir.Range.from_min_extent
     inside = tirx.And(row >= top, row < height + top)
-    body = tirx.IfThenElse(inside, tirx.SeqStmt(inside_stmts), tirx.SeqStmt(outside_stmts))
+    # stmt_seq: a narrow row whose chunk steps were left out (row_chunks.chunk_steps) may be one
+    # statement, which a SeqStmt may not hold
+    body = tirx.IfThenElse(inside, tirx.stmt_seq(*inside_stmts), tirx.stmt_seq(*outside_stmts))
     reads = [tirx.BufferRegion(data, [whole(n, 1), whole(c, 1), whole(0, height), whole(0, width)])]
     return s_tir.SBlockRealize([], tirx.const(True, "bool"), s_tir.SBlock(
         [], reads, [row_region], block.name_hint, body,

@@ -35,7 +35,8 @@ MIN_CHUNK_LANES = 4
 
 
 def chunk_steps(available, lanes: int, index_type: str,
-                chunk_body: Callable[[object, int], tirx.Stmt]) -> tuple[list[tirx.Stmt], object]:
+                chunk_body: Callable[[object, int], tirx.Stmt],
+                prove: Callable[[object], bool] | None = None) -> tuple[list[tirx.Stmt], object]:
     """Statements running `chunk_body(offset, count)` over [0, available) in chunks: a loop of
     `lanes`-wide ones, then an `if` for each narrower power of two down to MIN_CHUNK_LANES (or
     `lanes`, if narrower); at most one of each fits. Returns them and how many elements they
@@ -43,26 +44,33 @@ def chunk_steps(available, lanes: int, index_type: str,
 
     Each offset is a closed form of `available` (the chunk of c lanes runs when bit c of it is
     set, after the bits above): offsets accumulated step by step doubled the expression at
-    every step, and LLVM took 16 s on one stride-2 depthwise kernel."""
-    analyzer = tvm.sym.Analyzer()
-    total = analyzer.simplify(tirx.max(available, 0))
+    every step, and LLVM took 16 s on one stride-2 depthwise kernel. A step that `prove` (the
+    caller's analyzer, which may know the kernel version's bounds) shows never runs is left
+    out: the passes lowering a kernel take time in proportion to its `if`s."""
+    prove = prove or tvm.sym.Analyzer().can_prove
+    total = tvm.sym.Analyzer().simplify(tirx.max(available, 0))
     var = tirx.Var("k", index_type)
-    steps = [tirx.For(var, tirx.const(0, index_type), tirx.floordiv(total, lanes),
-                      tirx.ForKind.SERIAL, chunk_body(var * lanes, lanes))]
+    steps = [] if prove(total < lanes) else [
+        tirx.For(var, tirx.const(0, index_type), tirx.floordiv(total, lanes),
+                 tirx.ForKind.SERIAL, chunk_body(var * lanes, lanes))]
     count = lanes // 2
     while count >= narrowest_chunk(lanes):
         start = tirx.floordiv(total, 2 * count) * (2 * count)
-        steps.append(tirx.IfThenElse(tirx.floormod(total, 2 * count) >= count,
-                                     chunk_body(start, count), None))
+        runs = tirx.floormod(total, 2 * count) >= count
+        if not prove(tirx.Not(runs)):
+            steps.append(tirx.IfThenElse(runs, chunk_body(start, count), None))
         count //= 2
     narrowest = narrowest_chunk(lanes)
     return steps, tirx.floordiv(total, narrowest) * narrowest
 
 
-def element_steps(begin, end, most: int, body: Callable[[object], tirx.Stmt]) -> list[tirx.Stmt]:
+def element_steps(begin, end, most: int, body: Callable[[object], tirx.Stmt],
+                  prove: Callable[[object], bool] | None = None) -> list[tirx.Stmt]:
     """`body(j)` for each j in [begin, end), which holds at most `most` elements, under an `if`
-    each."""
-    return [tirx.IfThenElse(begin + t < end, body(begin + t), None) for t in range(most)]
+    each; those `prove` shows past the end are left out (`chunk_steps`)."""
+    prove = prove or tvm.sym.Analyzer().can_prove
+    return [tirx.IfThenElse(begin + t < end, body(begin + t), None) for t in range(most)
+            if not prove(begin + t >= end)]
 
 
 def narrowest_chunk(lanes: int) -> int:
