@@ -54,10 +54,11 @@ def test_the_steps_write_each_element_of_a_symbolic_row_once(value):
     assert _covered_elements(width, width, value) == list(range(value))
 
 
-@pytest.mark.parametrize("bound", [3, 4, 15, 16])
+@pytest.mark.parametrize("bound", [3, 4, 15, 16, 17])
 def test_steps_a_bound_rules_out_are_left_out(bound):
-    """Under `w < bound` (a kernel version's condition) the whole-vector loop is gone below a
-    vector, and so is every chunk wider than the bound; the rest still write each element."""
+    """Under `w < bound` (a kernel version's condition) the whole-vector loop is gone where no
+    row reaches a vector (kept at 17), and so is every chunk no narrower than the bound; the
+    steps left still write each element once."""
     width = tirx.Var("w", "int64")
     analyzer = tvm.sym.Analyzer()
 
