@@ -18,9 +18,9 @@ from test_direct_depthwise import WINDOWS, depthwise_model
 LANES = 16
 
 
-def _covered_elements(available, width: tirx.Var, value: int, prove=None) -> list[int]:
-    """The elements the chunk and element steps over [0, available) write at width = `value`,
-    found by walking the steps as code would run them."""
+def _covered_elements(width: tirx.Var, value: int, prove=None) -> list[int]:
+    """The elements the chunk and element steps over a row of `width` write where it is
+    `value`, found by walking the steps as code would run them."""
     written: list[int] = []
 
     def chunk(offset, count):
@@ -29,8 +29,9 @@ def _covered_elements(available, width: tirx.Var, value: int, prove=None) -> lis
     def element(offset):
         return chunk(offset, 1)
 
-    chunks, covered = chunk_steps(available, LANES, "int64", chunk, prove)
-    steps = chunks + element_steps(covered, available, narrowest_chunk(LANES) - 1, element, prove)
+    chunks, covered = chunk_steps(width, LANES, "int64", chunk, prove)
+    steps = chunks + element_steps(covered, width, narrowest_chunk(LANES) - 1, element, prove)
+
     def run(stmt, values: dict):
         if isinstance(stmt, tirx.For):
             for k in range(int(substitute(stmt.extent, values))):
@@ -51,7 +52,7 @@ def _covered_elements(available, width: tirx.Var, value: int, prove=None) -> lis
 @settings(max_examples=40, deadline=None)
 def test_the_steps_write_each_element_of_a_symbolic_row_once(value):
     width = tirx.Var("w", "int64")
-    assert _covered_elements(width, width, value) == list(range(value))
+    assert _covered_elements(width, value) == list(range(value))
 
 
 @pytest.mark.parametrize("bound", [3, 4, 15, 16, 17])
@@ -75,7 +76,7 @@ def test_steps_a_bound_rules_out_are_left_out(bound):
     narrower_chunks = [step for step in chunks if isinstance(step, tirx.IfThenElse)]
     assert len(narrower_chunks) == sum(1 for count in (8, 4) if count < bound)
     for value in range(bound):
-        assert _covered_elements(width, width, value, prove) == list(range(value))
+        assert _covered_elements(width, value, prove) == list(range(value))
 
 
 def test_a_packed_row_of_an_odd_width_remainder_has_no_dead_steps():
