@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
@@ -56,6 +57,7 @@ PREFETCH_MIN_CHANNELS = 256
 # 3.40 ms, at 1x3x224x224 and 2x3x160x128. The small zoo CNNs (mobilenet_v2_style,
 # grouped_convnet) ran within that stretch's noise (+-10%) either way.
 PREFETCH_MIN_WEIGHT_BYTES = 64 << 10
+CACHE_LINE_BYTES = 64  # x86-64's and the Cortex-A cores'
 
 
 def prefetch_channels_ahead(func: tirx.PrimFunc, block_name: str, channel_var: tirx.Var,
@@ -84,12 +86,43 @@ def prefetch_channels_ahead(func: tirx.PrimFunc, block_name: str, channel_var: t
                               channel_var) for dim in region.region]
             if not any(tvm_ffi.structural_equal(indices, seen) for seen in addresses):
                 addresses.append(indices)
-        prefetches = [_prefetch(region.source, indices) for indices in addresses]
+        prefetches = [_prefetch(region.source, indices)
+                      for indices in _one_address_per_line(region.source, addresses)]
         return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
                         tirx.SeqStmt([*prefetches, loop.body]), loop.thread_binding,
                         loop.annotations)
 
     return func.with_body(rewrite_loop_nest(func.body, lambda realize: realize, add_prefetches))
+
+
+def _one_address_per_line(buffer: tirx.Buffer, addresses: list) -> list:
+    """Of `addresses` (index lists into `buffer`), the fewest whose prefetches still bring in
+    every line the others lie on: addresses within CACHE_LINE_BYTES of a run's first lie on its
+    line or the next, so that run needs its first and its last address only, and its first
+    alone where the first starts a line (buffers start on a line: TVM allocates them so, and
+    the weight file aligns its blobs to pages). A tile's 16 weights of a panel row, asked for
+    at each vector's first and last lane, are one line: 4 prefetches -> 1. Addresses whose
+    distance is not a constant are all kept."""
+    analyzer = tvm.sym.Analyzer()
+    offsets = [buffer.offset_of(indices)[0] for indices in addresses]
+    distances = [analyzer.simplify(offset - offsets[0]) for offset in offsets]
+    if not all(isinstance(distance, tirx.IntImm) for distance in distances):
+        return addresses
+    line = CACHE_LINE_BYTES * 8 // tvm.runtime.DataType(str(buffer.dtype)).bits
+    order = sorted(range(len(addresses)), key=lambda i: distances[i].value)
+    runs: list[list[int]] = []
+    for i in order:
+        if runs and distances[i].value - distances[runs[-1][0]].value < line:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    kept = []
+    for run in runs:
+        first, last = run[0], run[-1]
+        start = analyzer.modular_set(offsets[first])
+        starts_a_line = start.coeff % line == 0 and start.base % line == 0
+        kept += [first] if starts_a_line or first == last else [first, last]
+    return [addresses[i] for i in kept]
 
 
 def _block_realize(stmt, block_name: str, loops: list):

@@ -29,6 +29,7 @@ from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.schedules.isa import AVX2, AVX512, NEON, SSE, isa_for_target
 from tightfit.schedules.knob_database import KnobDatabase
 from tightfit.schedules.prefetch import (
+    CACHE_LINE_BYTES,
     PREFETCH_CHANNELS_AHEAD,
     PREFETCH_MIN_CHANNELS,
     PREFETCH_MIN_WEIGHT_BYTES,
@@ -684,9 +685,10 @@ def test_pointwise_conv_versions_match_onnxruntime_at_pixel_plane_edges(knob_dat
 def test_long_pointwise_reductions_prefetch_the_tile_channels_ahead(knob_database, monkeypatch,
                                                                    panels_outer):
     """A pointwise conv over PREFETCH_MIN_CHANNELS channels asks, at each channel, for the
-    tile's first and last pixel of each vector PREFETCH_CHANNELS_AHEAD channels on (past the
-    last channel near the end: a prefetch cannot fault), and still matches onnxruntime over
-    two images at pixel planes around the tile's edges; one channel fewer asks for nothing."""
+    tile's pixels PREFETCH_CHANNELS_AHEAD channels on (past the last channel near the end: a
+    prefetch cannot fault): the first and last pixel of each line-long run of them (a run of
+    16 floats lies on one line or two), and still matches onnxruntime over two images at pixel
+    planes around the tile's edges; one channel fewer asks for nothing."""
     if panels_outer:
         monkeypatch.setattr(conv2d, "ROW_TILES_OUTER_MAX_WEIGHT_BYTES", 0)
     lanes = isa_for_target(resolve_target("host").tvm_target).lanes
@@ -696,12 +698,13 @@ def test_long_pointwise_reductions_prefetch_the_tile_channels_ahead(knob_databas
     prefetched = re.findall(r'"llvm.prefetch", T.address_of\(x\[[^\[\]]*?, rc \+ T.int64\((\d+)\), '
                             r'(.*?) // w,', kernel)
     assert {int(ahead) for ahead, _ in prefetched} == {PREFETCH_CHANNELS_AHEAD}
-    # in each version with pixel tiles (parallel, serial): each vector's first and last pixel
+    # in each version with pixel tiles (parallel, serial): each run's first and last pixel
     offsets = [int(next(iter(re.findall(r"\+ T.int64\((\d+)\)\)$", pixel)), 0))
                for _, pixel in prefetched]
-    tile_vectors = 1 if panels_outer else 2
-    tile_ends = sorted(first + lane for first in range(0, tile_vectors * lanes, lanes)
-                       for lane in (0, lanes - 1))
+    tile_pixels = (1 if panels_outer else 2) * lanes
+    line = CACHE_LINE_BYTES // 4
+    tile_ends = sorted(end for first in range(0, tile_pixels, line)
+                       for end in (first, min(first + line, tile_pixels) - 1))
     assert sorted(set(offsets)) == tile_ends and len(offsets) % len(tile_ends) == 0
     assert "llvm.prefetch" not in _scheduled_kernel(
         pointwise_residual_model(PREFETCH_MIN_CHANNELS - 1, 17), "conv2d", knob_database,
@@ -726,8 +729,11 @@ def test_pointwise_weights_over_the_threshold_prefetch_their_rows_channels_ahead
     model = pointwise_residual_model(channels, out_channels)
     kernel = _scheduled_kernel(model, "conv2d", knob_database, ("width_vectors",))
     ahead = re.findall(r'"llvm.prefetch", T.address_of\(w_rows\[.*?, rc \+ T.int64\((\d+)\), '
-                       r'T.int64\(\d+\)\]\)', kernel)
-    assert ahead and {int(channels) for channels in ahead} == {PREFETCH_CHANNELS_AHEAD}
+                       r'T.int64\((\d+)\)\]\)', kernel)
+    assert ahead and {int(channels) for channels, _ in ahead} == {PREFETCH_CHANNELS_AHEAD}
+    if channels >= conv2d.CHANNEL_VECTORS_MIN_CHANNELS:
+        # a 16-float panel row starts a line (the weight file aligns its blobs): one prefetch
+        assert {int(lane) for _, lane in ahead} == {0}
     small = _scheduled_kernel(pointwise_residual_model(channels, out_channels // 4), "conv2d",
                               knob_database, ("width_vectors",))
     assert "address_of(w_rows" not in small
