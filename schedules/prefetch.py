@@ -65,7 +65,8 @@ def prefetch_channels_ahead(func: tirx.PrimFunc, block_name: str, channel_var: t
     """`func` with prefetches, PREFETCH_CHANNELS_AHEAD steps ahead of the reduction loop over
     `channel_var`, of block `block_name`'s read of `buffer_name` in that step: the element
     its inner loops read at their first and last iterations (and at each mix of the two),
-    which covers the lines of a tile's run of pixels."""
+    which covers the lines of a tile's run of pixels, less those on a line already asked for
+    (`_one_address_per_line`)."""
 
     def add_prefetches(loop: tirx.For):
         if not loop.loop_var.same_as(channel_var):
