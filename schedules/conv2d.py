@@ -421,7 +421,14 @@ def channel_vector_tile(isa: VectorISA, channels: int) -> tuple[int, int]:
     """(weight panels, pixels) of a CHANNEL_VECTORS tile over `channels` (padded) output
     channels: two panels where they pair up and CHANNEL_VECTOR_PIXELS pixels still fit the
     registers beside them (AVX-512: 2 x 7), else one panel and as many pixels as fit (NEON's
-    four vectors a panel: 1 x 6)."""
+    four vectors a panel: 1 x 6).
+    Not a pixel fewer where that wastes fewer (AVX2's 6-pixel tiles compute 54 pixels for a
+    7x7 plane, 5-pixel ones 50; 24 and 20 for 5x4): measured on an AMD AVX2 host, 320 -> 1280
+    alone, one thread, 5 pixels took 0.95x the time at 1x7x7 and 0.90x at 2x5x4, but whole
+    MobileNetV2 runs (bench/ab_revisions.py, 12 turns, 5 pixels everywhere) went 1.01x at
+    1x3x224x224 (its 14x14 layers lose) and 0.97x at 2x3x160x128, which a version picking
+    per plane would not repay in compile time (one more version of each of these convs over a
+    symbolic plane)."""
     for panels in (2, 1):
         vectors = panels * CHANNEL_VECTORS_PANEL // isa.lanes
         pixels = max((rows for rows in range(1, CHANNEL_VECTOR_PIXELS + 1)
