@@ -100,10 +100,11 @@ def _one_address_per_line(buffer: tirx.Buffer, addresses: list) -> list:
     """Of `addresses` (index lists into `buffer`), the fewest whose prefetches still bring in
     every line the others lie on: addresses within CACHE_LINE_BYTES of a run's first lie on its
     line or the next, so that run needs its first and its last address only, and its first
-    alone where the first starts a line (buffers start on a line: TVM allocates them so, and
-    the weight file aligns its blobs to pages). A tile's 16 weights of a panel row, asked for
-    at each vector's first and last lane, are one line: 4 prefetches -> 1. Addresses whose
-    distance is not a constant are all kept."""
+    alone where the first starts a line, counting from the buffer's start (TVM allocates
+    buffers on a line and the weight file aligns its blobs to pages; an input the caller
+    passes unaligned misses a line's prefetch, no more). A tile's 16 weights of a panel row,
+    asked for at each vector's first and last lane, are one line: 4 prefetches -> 1.
+    Addresses whose distance is not a constant are all kept."""
     analyzer = tvm.sym.Analyzer()
     offsets = [buffer.offset_of(indices)[0] for indices in addresses]
     distances = [analyzer.simplify(offset - offsets[0]) for offset in offsets]
