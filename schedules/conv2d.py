@@ -751,8 +751,8 @@ def schedule_depthwise(sch: s_tir.Schedule, tiles, out_block, row_extent, out_ro
     layer at batch 2: 47 -> 27 us; 576 x 10 x 8: 38 -> 27 us; on wide maps packing first
     was 5-10% slower). Fusing the output rows into the parallel loop as well would cost three
     divisions by symbolic extents per row to recover the indices, more than a row's 2-3 tiles
-    (measured 2x slower on MobileNet's 64 x 48 x 40 layers). The tile buffer stays "global", a
-    stack array in registers (isa.py).
+    (measured 2x slower on MobileNet's 64 x 48 x 40 layers). The tile buffer is a stack array
+    in registers (isa.TILE_SCOPE, set for every kernel's tiles by schedule_kernels.py).
     """
     n, c, oh, ow, ry, rx = sch.get_loops(tiles)
     packing, = _packing_stages(sch, tiles)  # a depthwise kernel has one

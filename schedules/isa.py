@@ -13,7 +13,15 @@ kMaxStackAlloca = 1024 bytes; any other one is a heap workspace (TVMBackendAlloc
 LLVM, unable to prove it does not alias the operands, stores every accumulator back after every
 multiply-add (one vmovups per vfmadd231ps in the assembly). Measured on resnet_style, batch 1,
 one thread: 16 x 16-lane tiles (1024 bytes, heap) 0.26 ms, 15 x 16 (960 bytes, stack) 0.16 ms.
-The schedules therefore leave the tile buffer "global" (register_tile.py) and size it here.
+The schedules size the tile buffer here, and put it in TILE_SCOPE rather than "global".
+"global" kept it a stack array only until TVM's StorageRewrite merged it with another buffer of
+constant size that it does not live beside: a kernel's serial versions sit in branches of one
+function body, so one version's tile could share an allocation with another's packed input,
+which at 1 KB or more is a heap workspace (a conv1d over a symbolic length, 40 -> 32 channels,
+stride 2, 2 x 77, AVX-512, one thread: 23.7 us against 7.3 us over a static length).
+StorageRewrite merges no "local" buffer, and tightfit's lowering (kernel_lowering.py) tells
+LowerTVMBuiltin to leave a TILE_SCOPE buffer of constant size under MAX_STACK_ALLOCA_BYTES a
+stack array, as "global" ones are.
 Limits: fp32 only; SVE/SME and Arm dotprod/i8mm (int8) are not used.
 """
 
@@ -27,6 +35,8 @@ import tvm
 FP32_BYTES = 4
 # TVM's runtime::kMaxStackAlloca: larger constant-size local buffers go to the heap.
 MAX_STACK_ALLOCA_BYTES = 1024
+# The storage scope of a kernel's accumulator tiles (see above).
+TILE_SCOPE = "local"
 
 
 @dataclass(frozen=True)

@@ -254,8 +254,6 @@ def schedule_register_tiles(sch: s_tir.Schedule, tiles_block, out_block, row_ext
         unrolled = [col_vector]
         write_back_at = row
     sch.reverse_compute_at(out_block, write_back_at)
-    # The accumulator tile stays in the "global" scope: only there does TVM make a small buffer
-    # a stack array that LLVM keeps in registers ("local" ones are heap workspaces; isa.py).
     if parallel:
         _parallelize(sch, parallel_loops)
     for loop in unrolled + inner_reduction:

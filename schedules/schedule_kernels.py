@@ -34,7 +34,7 @@ from .dispatch import (
     with_dims_known_non_negative,
 )
 from .fallback_cpu import has_root_block, is_scheduled, parallelize_outer_loops
-from .isa import VectorISA, isa_for_target
+from .isa import TILE_SCOPE, VectorISA, isa_for_target
 from .knob_database import KnobDatabase
 from .pool_kernels import schedule_max_pool
 from .register_tile import (
@@ -145,6 +145,7 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         else:
             raise ValueError(f"no schedule for kernel kind {kind!r} (block {block_name})")
         conv2d.gather_channels_in_blocks(sch)
+        _tiles_in_tile_scope(sch, tiles)
         if parallel:
             parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
         versions.append((condition, apply_rewrites(sch.mod["main"], rewrites)))
@@ -152,6 +153,14 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     if direct is not None:
         joined = run_first_where(joined, *direct)
     return joined.with_attr("tirx.is_scheduled", True).with_attr(ROW_EXTENT_ATTR, row_extent)
+
+
+def _tiles_in_tile_scope(sch: s_tir.Schedule, tiles) -> None:
+    """The kernel's accumulator tiles in TILE_SCOPE (isa.py), where the kernel allocates them:
+    a Winograd GEMM accumulates in its output, a parameter."""
+    written = sch.get(tiles).writes[0].source
+    if not any(written.same_as(param) for param in sch.mod["main"].params):
+        sch.set_scope(tiles, 0, TILE_SCOPE)
 
 
 def _direct_kernel(base: s_tir.Schedule, block_name: str, annotations: dict,
@@ -237,6 +246,7 @@ def _schedule_transform(base: s_tir.Schedule, block_name: str, annotations: dict
                                                parallel)
             kernel_blocks = frozenset({block_name, sch.get(out_block).name_hint})
         conv2d.gather_channels_in_blocks(sch)
+        _tiles_in_tile_scope(sch, tiles)
         if parallel:
             parallelize_outer_loops(sch, skip=kernel_blocks)
         versions.append((condition, sch.mod["main"]))

@@ -23,16 +23,27 @@ The wrapper states the assumption as a `storage_alignment` attribute on each ten
 argument's data (TVM 0.27's binder, the only writer of that attribute); this pass, run after
 TVM's lowering and before code generation, lowers it to the element's size. Tensors a kernel
 allocates keep their own alignment.
+
+A second pass after TVM's lowering keeps each kernel's accumulator tiles stack arrays
+(`keep_tiles_on_the_stack`; schedules/isa.py says why they are not "global" buffers).
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import tvm
 from tvm import tirx
 from tvm.tirx import compilation_pipeline
 
+from .schedules.isa import MAX_STACK_ALLOCA_BYTES, TILE_SCOPE
+
 KERNEL_LOWERING = "tightfit"  # the TIR pipeline's name for tvm.tirx.build
 STORAGE_ALIGNMENT = "storage_alignment"
+# An allocation's annotation that LowerTVMBuiltin leaves it as it is (TVM's
+# tirx::transform::kDisableLowerTVMBuiltin).
+DISABLE_LOWER_BUILTIN = "disable_lower_builtin"
 
 
 @tirx.transform.prim_func_pass(opt_level=0, name="tightfit.AssumeElementAlignedArguments")
@@ -59,9 +70,48 @@ def element_bytes(data: tirx.Var) -> int:
     return max(1, tvm.runtime.DataType(str(data.dtype)).bits // 8)
 
 
+@tirx.transform.prim_func_pass(opt_level=0, name="tightfit.KeepTilesOnTheStack")
+def keep_tiles_on_the_stack(func: tirx.PrimFunc, mod: tvm.IRModule, ctx) -> tirx.PrimFunc:
+    """Each accumulator tile (a TILE_SCOPE buffer: schedules/isa.py) of constant size under
+    MAX_STACK_ALLOCA_BYTES marked for LowerTVMBuiltin to leave as it is, a stack array; it
+    would make a heap workspace of any buffer not in the "global" scope. Runs after TVM's
+    lowering, whose StorageRewrite then has merged no tile with another buffer."""
+    return func.with_body(_tiles_on_the_stack(func.body))
+
+
+def _tiles_on_the_stack(stmt: tirx.Stmt) -> tirx.Stmt:
+    if isinstance(stmt, tirx.AllocBuffer):
+        if not _is_stack_tile(stmt.buffer):
+            return stmt
+        keep = tirx.const(True, "bool")  # LowerTVMBuiltin reads the annotation as a Bool
+        return tirx.AllocBuffer(stmt.buffer, annotations={**stmt.annotations,
+                                                          DISABLE_LOWER_BUILTIN: keep})
+    if isinstance(stmt, tirx.SeqStmt):
+        return tirx.SeqStmt([_tiles_on_the_stack(item) for item in stmt.seq])
+    if isinstance(stmt, tirx.For):
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind,
+                        _tiles_on_the_stack(stmt.body), stmt.thread_binding, stmt.annotations)
+    if isinstance(stmt, tirx.IfThenElse):
+        else_case = None if stmt.else_case is None else _tiles_on_the_stack(stmt.else_case)
+        return tirx.IfThenElse(stmt.condition, _tiles_on_the_stack(stmt.then_case), else_case)
+    if isinstance(stmt, tirx.AttrStmt):
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _tiles_on_the_stack(stmt.body))
+    if isinstance(stmt, tirx.While):
+        return tirx.While(stmt.condition, _tiles_on_the_stack(stmt.body))
+    return stmt
+
+
+def _is_stack_tile(buffer: tirx.Buffer) -> bool:
+    if buffer.scope() != TILE_SCOPE or not all(isinstance(d, tirx.IntImm) for d in buffer.shape):
+        return False
+    elements = functools.reduce(operator.mul, (int(d) for d in buffer.shape), 1)
+    return elements * tvm.runtime.DataType(str(buffer.dtype)).bits // 8 < MAX_STACK_ALLOCA_BYTES
+
+
 def _kernel_lowering():
     lower, finalize_host, finalize_device = compilation_pipeline.get_tir_pipeline("default")
-    lowering = tvm.transform.Sequential([lower, assume_element_aligned_arguments])
+    lowering = tvm.transform.Sequential([lower, assume_element_aligned_arguments,
+                                         keep_tiles_on_the_stack])
     return lowering, finalize_host, finalize_device
 
 
