@@ -156,8 +156,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
 
 
 def _tiles_in_tile_scope(sch: s_tir.Schedule, tiles) -> None:
-    """The kernel's accumulator tiles in TILE_SCOPE (isa.py), where the kernel allocates them:
-    a Winograd GEMM accumulates in its output, a parameter."""
+    """The kernel's tiles in TILE_SCOPE (isa.py), where the kernel allocates them: a Winograd
+    input transform writes its tiles to its output, a parameter."""
     written = sch.get(tiles).writes[0].source
     if not any(written.same_as(param) for param in sch.mod["main"].params):
         sch.set_scope(tiles, 0, TILE_SCOPE)
