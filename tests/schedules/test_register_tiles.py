@@ -159,8 +159,8 @@ def test_accumulator_tiles_stay_stack_arrays_in_every_version(model, target):
         assert storage, "no tile buffer found"
         heap = sorted(name for name, kind in storage.items() if kind == "heap")
         assert not heap, f"tiles in heap workspaces: {heap}"
-        # the packed inputs beside them stay heap workspaces where they are large
-        assert "TVMBackendAllocWorkspace" in lowered or model == "conv_dynamic_hw"
+        if model == "conv1d":  # the case the merge hit: a heap packed input beside the tiles
+            assert "TVMBackendAllocWorkspace" in lowered
     if model == "conv1d" and target == "host":
         session = tightfit.compile(onnx_model).session()
         rng = np.random.default_rng(1)
