@@ -154,6 +154,10 @@ def _build_parser() -> argparse.ArgumentParser:
     conformance_cmd.add_argument("--pattern", help="only cases whose name matches this regular expression")
     conformance_cmd.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     conformance_cmd.add_argument("--out", metavar="FILE", help="write every case's result as JSON")
+    conformance_cmd.add_argument("--cases", metavar="FILE",
+                                 help="only the cases this file names, e.g. tests/data/onnx_node_passing.txt")
+    conformance_cmd.add_argument("--per-op", type=int, metavar="N",
+                                 help="at most N cases of each op, spread over its cases (what CI runs: 4)")
     conformance_cmd.set_defaults(handler=_conformance)
 
     inspect_cmd = commands.add_parser("inspect", parents=[common], help="show the pipeline and the imported model's ops")
@@ -584,9 +588,14 @@ def _device_emulate(args) -> int:
 
 
 def _conformance(args) -> int:
-    from .conformance import per_op_table, run_node_tests, summarize
+    from .conformance import per_op_table, run_node_tests, selected_cases, summarize
 
-    results = run_node_tests(args.engine, args.pattern, args.jobs, args.out)
+    try:
+        names = selected_cases(args.cases, args.per_op)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    results = run_node_tests(args.engine, args.pattern, args.jobs, args.out, names=names)
     _emit(args, summarize(results), per_op_table(results))
     return 0
 

@@ -132,6 +132,25 @@ def case_op(name: str) -> str:
     return ops[-1] if ops else "Constant"
 
 
+def spread_per_op(names: list[str], per_op: int) -> list[str]:
+    """At most `per_op` of `names` for each op (`case_op`), spread evenly over that op's cases
+    in name order: its first and last case and those between, so that a sample keeps each op's
+    variants apart (attributes, ranks, types, the `_expanded` graph). The names come back
+    sorted."""
+    by_op: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(names):
+        by_op[case_op(name)].append(name)
+    sample = []
+    for cases in by_op.values():
+        if len(cases) <= per_op:
+            sample += cases
+        elif per_op == 1:
+            sample.append(cases[0])
+        else:
+            sample += [cases[round(i * (len(cases) - 1) / (per_op - 1))] for i in range(per_op)]
+    return sorted(sample)
+
+
 def as_array(value):
     """A case's input or output as onnx's runner hands it over: an array, or None when it is a
     sequence, map or optional."""
@@ -212,10 +231,10 @@ def _one_line(error: Exception) -> str:
 def run_node_tests(engine: str = "tightfit", pattern: str | None = None, jobs: int = 1,
                    json_path: str | None = None, names: list[str] | None = None,
                    progress: bool = True) -> list[CaseResult]:
-    """Run the node cases (all, those matching `pattern`, or `names`) in `jobs` workers."""
+    """Run the node cases (all, or `names`; those matching `pattern`) in `jobs` workers."""
     cases = node_cases()
-    selected = names if names is not None else [
-        name for name in sorted(cases) if pattern is None or re.search(pattern, name)]
+    selected = [name for name in (names if names is not None else sorted(cases))
+                if pattern is None or re.search(pattern, name)]
     ops = {name: case_op(name) for name in selected}
     results: list[CaseResult] = []
     pending = list(reversed(selected))
@@ -249,6 +268,24 @@ def run_node_tests(engine: str = "tightfit", pattern: str | None = None, jobs: i
             json.dump({"engine": engine, "summary": summarize(results),
                        "cases": [asdict(r) for r in results]}, out, indent=1)
     return results
+
+
+def selected_cases(cases_file: str | None, per_op: int | None) -> list[str] | None:
+    """The case names the command line's --cases and --per-op select (None: every case, or
+    those --pattern matches). A bad option is a ValueError that says what to pass instead."""
+    if per_op is not None and per_op < 1:
+        raise ValueError(f"--per-op {per_op}: pass 1 or more")
+    if cases_file is None:
+        return None if per_op is None else spread_per_op(sorted(node_cases()), per_op)
+    try:
+        names = Path(cases_file).read_text().split()
+    except OSError as err:
+        raise ValueError(f"--cases {cases_file}: {err.strerror}; pass a file of case names") from None
+    unknown = [name for name in names if name not in node_cases()]
+    if unknown:
+        raise ValueError(f"--cases {cases_file} names cases the installed onnx "
+                         f"{onnx.__version__} lacks: {unknown[:5]}")
+    return names if per_op is None else spread_per_op(names, per_op)
 
 
 def _wait_for_a_reply(workers: list[_Worker], timeout: float) -> None:
@@ -368,12 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pattern", help="only cases whose name matches this regular expression")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--json", help="write every case's result to this file")
+    parser.add_argument("--cases", metavar="FILE", help="only the cases this file names (whitespace-separated)")
+    parser.add_argument("--per-op", type=int, help="at most this many cases of each op, spread over its cases")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker_main(args.worker)
         return 0
-    results = run_node_tests(args.engine, args.pattern, args.jobs, args.json)
+    results = run_node_tests(args.engine, args.pattern, args.jobs, args.json,
+                             names=selected_cases(args.cases, args.per_op))
     print(per_op_table(results))
     return 0
 
