@@ -51,6 +51,18 @@ DEVICE_WHEELS = [f"apache-tvm=={TVM_VERSION}", f"apache-tvm-ffi=={TVM_FFI_VERSIO
 # stay out of the unpacked wheel.
 _LEFT_OUT_OF_DEVICE = ("tvm/lib/libtvm_compiler.so", "tvm/3rdparty/")
 SERVER_START_TIMEOUT_S = 180.0
+# The device's server: TVM's RPC listen loop in the launched process. `python -m
+# tvm.exec.rpc_server` runs the loop in a worker process it starts, which imports TVM a second
+# time under qemu: a device took 51 s to register here, 25 s of it each import.
+SERVER_LOOP = """
+import logging, sys
+from tvm.rpc.server import PopenRPCServerState
+logging.basicConfig(level=logging.INFO)
+host, port, key, tracker_host, tracker_port, library = sys.argv[1:]
+server = PopenRPCServerState(host, int(port), int(port) + 1, tracker_addr=(tracker_host, int(tracker_port)),
+                             key=key, load_library=library)
+server.thread.join()
+"""
 
 
 def cache_dir() -> Path:
@@ -194,10 +206,9 @@ def start(key: str, tracker: TrackerAddress, threads: int = 2, progress=print) -
     env = {**os.environ, "PYTHONPATH": str(site), "TVM_NUM_THREADS": str(threads),
            "TVM_USE_RUNTIME_LIB": "1", "QEMU_LD_PREFIX": str(sysroot)}
     env.pop("PYTHONHOME", None)
-    command = [str(site / "python-aarch64"), "-m", "tvm.exec.rpc_server", "--tracker", str(tracker),
-               "--key", key, "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1),
-               # random_fill_for_measure (MetaSchedule's runner) lives in the runtime's extra library
-               "--load-library", str(site / "tvm" / "lib" / "libtvm_runtime_extra.so")]
+    # random_fill_for_measure (MetaSchedule's runner) lives in the runtime's extra library
+    command = [str(site / "python-aarch64"), "-c", SERVER_LOOP, "127.0.0.1", str(port), key,
+               tracker.host, str(tracker.port), str(site / "tvm" / "lib" / "libtvm_runtime_extra.so")]
     devices_before = devices_under(tracker, key)
     launched = time.monotonic()
     with open(log, "w") as log_file:
