@@ -134,9 +134,9 @@ def case_op(name: str) -> str:
 
 def spread_per_op(names: list[str], per_op: int) -> list[str]:
     """At most `per_op` of `names` for each op (`case_op`), spread evenly over that op's cases
-    in name order: its first and last case and those between, so that a sample keeps each op's
-    variants apart (attributes, ranks, types, the `_expanded` graph). The names come back
-    sorted."""
+    in name order: its first and last case and those between (its first alone when `per_op` is
+    1), so that a sample keeps each op's variants apart (attributes, ranks, types, the
+    `_expanded` graph). The names come back sorted."""
     by_op: dict[str, list[str]] = defaultdict(list)
     for name in sorted(names):
         by_op[case_op(name)].append(name)
@@ -412,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker_main(args.worker)
         return 0
-    results = run_node_tests(args.engine, args.pattern, args.jobs, args.json,
-                             names=selected_cases(args.cases, args.per_op))
+    try:
+        names = selected_cases(args.cases, args.per_op)
+    except ValueError as err:
+        parser.error(str(err))
+    results = run_node_tests(args.engine, args.pattern, args.jobs, args.json, names=names)
     print(per_op_table(results))
     return 0
 
