@@ -18,6 +18,7 @@ from .rdp import RankDimensionPropagation
 from .reuse_shape_values import ReuseShapeValues
 from .select_conv_algorithm import SelectConvAlgorithm
 from .select_gemm_kernel import SelectGemmKernel
+from .share_identical_kernels import ShareIdenticalKernels
 from .share_symbolic_storage import ShareSymbolicStorage
 from .sink_into_branches import SinkIntoBranches
 from .split_blocks_where_dims_are_bound import SplitBlocksWhereDimsAreBound
@@ -43,6 +44,7 @@ __all__ = [
     "ReuseShapeValues",
     "SelectConvAlgorithm",
     "SelectGemmKernel",
+    "ShareIdenticalKernels",
     "ShareSymbolicStorage",
     "SinkIntoBranches",
     "SplitBlocksWhereDimsAreBound",

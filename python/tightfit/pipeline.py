@@ -37,6 +37,7 @@ from .passes import (
     ReuseShapeValues,
     SelectConvAlgorithm,
     SelectGemmKernel,
+    ShareIdenticalKernels,
     ShareSymbolicStorage,
     SinkIntoBranches,
     SplitBlocksWhereDimsAreBound,
@@ -121,6 +122,8 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
         KeepReshapesAsViews(),
         relax.transform.RewriteDataflowReshape(),
         relax.transform.DeadCodeElimination(),
+        # a kernel that repeated blocks made several times is scheduled and compiled once
+        ShareIdenticalKernels(),
         # 4. schedule kernels: tuned records where the database has them, tightfit's kernels in one
         #    version per shape bucket, then the rest
         *([_apply_tuning_records(options.tuning_database, target)] if options.tuning_database else []),
