@@ -235,6 +235,22 @@ def _scheduled_hash(mod: tvm.IRModule) -> int:
     return tvm_ffi.structural_hash(mod)
 
 
+# MetaSchedule's evolutionary search keeps a population of 512 candidates, sized for sessions of
+# thousands of trials; every generation costs as much to mutate and predict whatever the session
+# will measure (the first batch of a 4-trial session searched for 15 s on one core here, 2 s with
+# a population of 64)
+CANDIDATES_PER_TRIAL = 8
+MAX_POPULATION = 512
+MIN_POPULATION = 64  # the search starts from at least 50 unmeasured random candidates
+
+
+def search_population(trials: int) -> int:
+    """The evolutionary search's population for a session that may measure `trials` more
+    candidates: CANDIDATES_PER_TRIAL for each, within MIN_POPULATION and MAX_POPULATION
+    (MetaSchedule's own); a session of 64 trials or more searches as MetaSchedule does."""
+    return max(MIN_POPULATION, min(MAX_POPULATION, CANDIDATES_PER_TRIAL * trials))
+
+
 @derived_object
 class SkipMeasured(ms.search_strategy.PySearchStrategy):
     """MetaSchedule's evolutionary search, minus the candidates the database already holds, and
@@ -246,7 +262,7 @@ class SkipMeasured(ms.search_strategy.PySearchStrategy):
         self.database = database
         self.report = report
         self.budget = budget
-        self.inner = ms.search_strategy.EvolutionarySearch()
+        self.inner = ms.search_strategy.EvolutionarySearch(population_size=search_population(budget))
         self.recorded: dict[int, list[float]] = {}  # scheduled module hash -> recorded run seconds
 
     def _initialize_with_tune_context(self, context) -> None:
