@@ -21,6 +21,10 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
+# The module attribute counting the copies this pass removed (the compile report's
+# "shared_kernel_copies")
+SHARED_COPIES_ATTR = "tightfit.shared_kernel_copies"
+
 
 @tvm.transform.module_pass(opt_level=0, name="tightfit.ShareIdenticalKernels")
 class ShareIdenticalKernels:
@@ -48,7 +52,7 @@ class ShareIdenticalKernels:
         shared = builder.get()
         for copy in replacement:
             del shared[copy]
-        return shared
+        return shared.with_attr(SHARED_COPIES_ATTR, tirx.IntImm("int64", len(replacement)))
 
 
 @relax.expr_functor.mutator

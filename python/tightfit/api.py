@@ -16,6 +16,7 @@ from .errors import CompilationError, CorruptPackageError, PackageError, StalePa
 from .frontend import import_onnx
 from .package import Package, SourceModel, load_package, read_manifest
 from .passes.launch_kernel_sequences import kernel_calls, kernel_sequences
+from .passes.share_identical_kernels import SHARED_COPIES_ATTR
 from .passes.share_symbolic_storage import STORAGE_BYTES_ATTR
 from .passes.write_scalars_to_shape_heap import HEAP_WRITER_ATTR
 from .pipeline import PipelineOptions, build_config, fresh_outputs, run_pipeline, split_weights
@@ -61,6 +62,8 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
         # the kernels, not the sequences that call them nor the heap writers that call one
         "kernels": sum(isinstance(f, tirx.PrimFunc) and HEAP_WRITER_ATTR not in (f.attrs or {})
                        for f in lowered.functions.values()) - len(sequences),
+        # the copies of kernels that repeated blocks made, each compiled once
+        "shared_kernel_copies": int(lowered.get_attr(SHARED_COPIES_ATTR) or 0),
         # the kernel calls of each sequence that runs from one TIR function
         "kernel_sequences": [kernel_calls(sequence) for sequence in sequences.values()],
         "weights": len(weights),

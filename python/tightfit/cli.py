@@ -234,11 +234,15 @@ def _compile(args) -> int:
     weight_file = package.report["weight_file"]
     storages = package.report["activation_storages"]
     summary = {"package": str(output), "compile_seconds": package.report["compile_seconds"],
-               "kernels": package.report["kernels"], "activation_storages": storages,
+               "kernels": package.report["kernels"],
+               "shared_kernel_copies": package.report["shared_kernel_copies"], "activation_storages": storages,
                "weight_file": weight_file}
     sequences = package.report["kernel_sequences"]
     summary["kernel_sequences"] = sequences
-    _emit(args, summary, f"wrote {output} ({summary['kernels']} kernels, {sum(sequences)} of their "
+    kernels = f"{summary['kernels']} kernels"
+    if summary["shared_kernel_copies"]:
+        kernels += f" ({summary['shared_kernel_copies']} repeats of them compiled once)"
+    _emit(args, summary, f"wrote {output} ({kernels}, {sum(sequences)} of their "
                          f"calls in {len(sequences)} sequence{'' if len(sequences) == 1 else 's'}, "
                          f"intermediate tensors in {len(storages)} storages, "
                          f"{weight_file['payload_bytes'] / 1e6:.2f} MB of weights in "

@@ -12,6 +12,7 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.passes import ShareIdenticalKernels
+from tightfit.passes.share_identical_kernels import SHARED_COPIES_ATTR
 from tightfit.pipeline import PipelineOptions, run_pipeline
 from tightfit.target import resolve_target
 
@@ -88,7 +89,9 @@ class TwoScales:
 
 
 def test_a_kernel_written_twice_is_kept_once_and_called_twice():
-    tvm.ir.assert_structural_equal(ShareIdenticalKernels()(ThreeScales), TwoScales)
+    shared = ShareIdenticalKernels()(ThreeScales)
+    tvm.ir.assert_structural_equal(shared.without_attr(SHARED_COPIES_ATTR), TwoScales)
+    assert int(shared.get_attr(SHARED_COPIES_ATTR)) == 1
 
 
 def test_a_module_of_distinct_kernels_is_unchanged():
@@ -122,7 +125,9 @@ def test_repeated_blocks_compile_one_kernel_and_match_onnxruntime():
                     if isinstance(func, tvm.tirx.PrimFunc) and "conv2d" in gv.name_hint]
     assert len(conv_kernels) == 1, conv_kernels
 
-    session = tightfit.compile(model).session()
+    package = tightfit.compile(model)
+    assert package.report["shared_kernel_copies"] == 2
+    session = package.session()
     for batch in (1, 3):
         feeds = {"x": np.random.default_rng(batch).standard_normal((batch, 8, 12, 12)).astype(np.float32)}
         expected = run_onnxruntime(model, feeds)["r2"]
