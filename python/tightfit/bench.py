@@ -47,6 +47,7 @@ import numpy as np
 import onnx
 
 from .feeds import max_abs_error, random_feeds
+from .fresh_process import worker_command
 from .frontend import TensorSpec, declared_inputs, load_onnx
 
 ENGINES = ("tightfit", "onnxruntime", "tvm-default")
@@ -313,7 +314,7 @@ def run_job_io(proto: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> di
 
 def run_worker(job: dict) -> dict:
     """Run `job` (see `_worker`) in a fresh interpreter; its seconds and peak RSS in KiB."""
-    completed = subprocess.run([sys.executable, "-m", "tightfit.bench", json.dumps(job)],
+    completed = subprocess.run(worker_command("tightfit.bench", json.dumps(job)),
                                capture_output=True, text=True, timeout=1800)
     if completed.returncode != 0:
         raise RuntimeError(_last_line(completed.stderr) or f"exit code {completed.returncode}")

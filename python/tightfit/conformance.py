@@ -37,6 +37,8 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
+from .fresh_process import worker_command
+
 PASS, FAIL, NOT_SUPPORTED = "pass", "fail", "not-supported"
 CASE_TIMEOUT_S = 30  # a case still compiling after this counts as failed
 # A worker's start (importing TVM, tightfit and onnx's cases) is not a case's time: on a loaded
@@ -309,7 +311,7 @@ class _Worker:
 
     def _start(self):
         environment = dict(os.environ, TVM_NUM_THREADS="1")  # workers run side by side
-        self.process = subprocess.Popen([sys.executable, "-m", "tightfit.conformance", "--worker", self.engine],
+        self.process = subprocess.Popen(worker_command("tightfit.conformance", "--worker", self.engine),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.DEVNULL, text=True, env=environment)
         self.selector = selectors.DefaultSelector()
