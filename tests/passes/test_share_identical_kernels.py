@@ -98,6 +98,63 @@ def test_a_module_of_distinct_kernels_is_unchanged():
     assert ShareIdenticalKernels()(TwoScales).same_as(TwoScales)
 
 
+@I.ir_module
+class ScalarsInTwoOrders:
+    """`scale_wh` is `scale_hw` with its two dims passed the other way round, as FuseTIR may
+    order them in one compile and not in the next."""
+
+    @T.prim_func(private=True)
+    def scale_hw(var_x: T.handle, h: T.int64, w: T.int64, var_y: T.handle):
+        x = T.match_buffer(var_x, (h, w))
+        y = T.match_buffer(var_y, (h, w))
+        for i, j in T.grid(h, w):
+            y[i, j] = x[i, j] * T.float32(2)
+
+    @T.prim_func(private=True)
+    def scale_wh(var_x: T.handle, w: T.int64, h: T.int64, var_y: T.handle):
+        x = T.match_buffer(var_x, (h, w))
+        y = T.match_buffer(var_y, (h, w))
+        for i, j in T.grid(h, w):
+            y[i, j] = x[i, j] * T.float32(2)
+
+    @R.function
+    def main(x: R.Tensor(("h", "w"), "float32")) -> R.Tensor(("h", "w"), "float32"):
+        h = T.int64()
+        w = T.int64()
+        cls = ScalarsInTwoOrders
+        with R.dataflow():
+            a = R.call_tir(cls.scale_hw, (x, R.prim_value(h), R.prim_value(w)), out_ty=R.Tensor((h, w), "float32"))
+            b = R.call_tir(cls.scale_wh, (a, R.prim_value(w), R.prim_value(h)), out_ty=R.Tensor((h, w), "float32"))
+            R.output(b)
+        return b
+
+
+@I.ir_module
+class ScalarsInOneOrder:
+    @T.prim_func(private=True)
+    def scale_hw(var_x: T.handle, h: T.int64, w: T.int64, var_y: T.handle):
+        x = T.match_buffer(var_x, (h, w))
+        y = T.match_buffer(var_y, (h, w))
+        for i, j in T.grid(h, w):
+            y[i, j] = x[i, j] * T.float32(2)
+
+    @R.function
+    def main(x: R.Tensor(("h", "w"), "float32")) -> R.Tensor(("h", "w"), "float32"):
+        h = T.int64()
+        w = T.int64()
+        cls = ScalarsInOneOrder
+        with R.dataflow():
+            a = R.call_tir(cls.scale_hw, (x, R.prim_value(h), R.prim_value(w)), out_ty=R.Tensor((h, w), "float32"))
+            b = R.call_tir(cls.scale_hw, (a, R.prim_value(h), R.prim_value(w)), out_ty=R.Tensor((h, w), "float32"))
+            R.output(b)
+        return b
+
+
+def test_kernels_equal_but_for_the_order_of_their_dims_are_one_and_each_call_passes_the_dims_in_its_order():
+    shared = ShareIdenticalKernels()(ScalarsInTwoOrders)
+    tvm.ir.assert_structural_equal(shared.without_attr(SHARED_COPIES_ATTR), ScalarsInOneOrder)
+
+
 def _repeated_blocks() -> tuple:
     """Three conv + bias + ReLU blocks of the same width, each with weights of its own: fusion
     makes one kernel per block."""
