@@ -56,7 +56,7 @@ class ShareIdenticalKernels:
                     canonical_kernels[global_var] = reordered
             else:
                 copies += 1
-            if original != global_var or order != sorted(order):
+            if not original.same_as(global_var) or order != sorted(order):
                 rewrites[global_var] = (original, order)
         if not rewrites:
             return mod
@@ -68,7 +68,7 @@ class ShareIdenticalKernels:
             builder.update_func(global_var, canonical)
         shared = builder.get()
         for copy, (original, _) in rewrites.items():
-            if original != copy:
+            if not original.same_as(copy):
                 del shared[copy]
         return shared.with_attr(SHARED_COPIES_ATTR, tirx.IntImm("int64", copies))
 
