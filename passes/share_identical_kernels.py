@@ -28,6 +28,7 @@ from tvm import relax, tirx
 # The module attribute counting the copies this pass removed (the compile report's
 # "shared_kernel_copies")
 SHARED_COPIES_ATTR = "tightfit.shared_kernel_copies"
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 @tvm.transform.module_pass(opt_level=0, name="tightfit.ShareIdenticalKernels")
@@ -105,9 +106,6 @@ def _call_tir_inputs(mod: tvm.IRModule) -> dict[tvm.ir.GlobalVar, int]:
             relax.analysis.post_order_visit(func, visit)
     return {global_var: counts.pop() for global_var, counts in callees.items()
             if len(counts) == 1 and references.get(global_var) == 0}
-
-
-CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 @relax.expr_functor.mutator
