@@ -3,7 +3,9 @@
 import json
 
 import numpy as np
+from onnx import TensorProto, helper, numpy_helper
 
+import tightfit
 from tightfit.cli import main
 
 
@@ -31,3 +33,24 @@ def test_run_profile_on_the_command_line(mlp_path, capsys):
     assert profile["run_seconds"] > 0 and profile["instrumented_run_seconds"] > 0
     assert all(kernel["in_run_seconds"] > 0 for kernel in profile["kernels"])
     assert sum(kernel["calls"] for kernel in profile["kernels"]) >= 2
+
+
+def test_layers_that_share_one_kernel_keep_a_row_each():
+    rng = np.random.default_rng(0)
+    layers = 3  # equal widths: one compiled kernel, called three times
+    nodes, weights = [], []
+    for layer in range(layers):
+        weights.append(numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), f"w{layer}"))
+        nodes += [helper.make_node("MatMul", [f"h{layer}", f"w{layer}"], [f"m{layer}"]),
+                  helper.make_node("Relu", [f"m{layer}"], [f"h{layer + 1}"])]
+    graph = helper.make_graph(nodes, "repeated_layers",
+                              [helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["batch", 16])],
+                              [helper.make_tensor_value_info(f"h{layers}", TensorProto.FLOAT, ["batch", 16])],
+                              weights)
+    package = tightfit.compile(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    profile = package.session().profile({"h0": rng.standard_normal((4, 16)).astype(np.float32)})
+    layer_calls = [kernel for kernel in profile.kernels if "dense" in kernel.name]
+    assert len({kernel.name for kernel in layer_calls}) == 1
+    assert sorted((kernel.call, kernel.calls) for kernel in layer_calls) == [(1, 3), (2, 3), (3, 3)]
+    assert all(kernel.seconds > 0 and kernel.in_run_seconds > 0 for kernel in layer_calls)
+    assert profile.table().count(f" {layer_calls[0].name} (") == layers

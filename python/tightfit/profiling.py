@@ -1,4 +1,4 @@
-"""Where a run's time goes: each compiled kernel timed with the arguments of a real run.
+"""Where a run's time goes: each kernel call of a run timed with its real arguments.
 
 TVM 0.27's Relax VM has no profiler, but it calls an instrument before and after every call it
 makes. Each kernel is timed two ways:
@@ -14,6 +14,10 @@ views, and the instrument's calls around each of them) is the difference between
 instrumented runs and their kernels' sum. Instrumented runs run the bytecode copy of the model
 (vm_code.py), the only code whose kernel calls an instrument sees; the whole run is also timed
 without the instrument, as the model runs: native.
+
+A row is one call site: the n-th call of a kernel in a run. Layers that repeat compile to one
+kernel (ShareIdenticalKernels), and each layer keeps its row, so what one of them loses to its
+neighbours stays visible.
 
 Host sessions only: over RPC the instrument would run on the device, where Python is not.
 """
@@ -37,10 +41,11 @@ IN_RUN_RUNS = 21
 @dataclass
 class KernelTime:
     name: str
-    calls: int
-    seconds: float  # alone, summed over its calls in one run
-    argument_shapes: list  # of the first call: a tuple per tensor, the value of a scalar
-    in_run_seconds: float = 0.0  # in whole runs, summed over its calls in one run (median)
+    call: int  # which call of the kernel in a run, from 1
+    seconds: float  # this call alone
+    argument_shapes: list  # a tuple per tensor, the value of a scalar
+    calls: int = 1  # the kernel's calls in a run
+    in_run_seconds: float = 0.0  # this call in whole runs (median)
 
 
 @dataclass
@@ -58,18 +63,18 @@ class Profile:
         return sum(kernel.in_run_seconds for kernel in self.kernels)
 
     def table(self) -> str:
-        lines = [f"{'alone us':>9} {'in run us':>9} {'share':>6} {'calls':>5}  kernel (argument "
-                 "shapes of the first call); share: of the profiled whole run"]
+        lines = [f"{'alone us':>9} {'in run us':>9} {'share':>6} {'call':>5}  kernel (argument "
+                 "shapes); share: of the profiled whole run; call: which of the kernel's calls"]
         for kernel in self.kernels:
             shapes = ", ".join(_show(shape) for shape in kernel.argument_shapes)
             lines.append(f"{kernel.seconds * 1e6:9.2f} {kernel.in_run_seconds * 1e6:9.2f} "
                          f"{kernel.in_run_seconds / self.instrumented_run_seconds:6.1%} "
-                         f"{kernel.calls:5d}  {kernel.name} ({shapes})")
+                         f"{f'{kernel.call}/{kernel.calls}':>5}  {kernel.name} ({shapes})")
         in_run = self.in_run_kernel_seconds
         total = self.instrumented_run_seconds
         rest = total - in_run
         lines.append(f"{self.kernel_seconds * 1e6:9.2f} {in_run * 1e6:9.2f} "
-                     f"{in_run / total:6.1%} {sum(k.calls for k in self.kernels):5d}  all kernels")
+                     f"{in_run / total:6.1%} {len(self.kernels):5d}  all kernel calls")
         lines.append(f"{'':9} {rest * 1e6:9.2f} {rest / total:6.1%} {'':5}  the rest (VM "
                      "instructions and builtins: allocation, shape checks, views; the profiler's "
                      "calls around them)")
@@ -81,7 +86,7 @@ class Profile:
     def as_json(self) -> dict:
         return {"run_seconds": self.run_seconds,
                 "instrumented_run_seconds": self.instrumented_run_seconds,
-                "kernels": [{"name": k.name, "calls": k.calls, "seconds": k.seconds,
+                "kernels": [{"name": k.name, "call": k.call, "calls": k.calls, "seconds": k.seconds,
                              "in_run_seconds": k.in_run_seconds,
                              "argument_shapes": [list(s) if isinstance(s, tuple) else s
                                                  for s in k.argument_shapes]}
@@ -95,18 +100,17 @@ def profile_kernels(session, feeds: dict[str, np.ndarray], number: int = 20,
         raise TargetError("profiling runs on the host only; time a device with `tightfit bench "
                           "--rpc-tracker HOST:PORT --rpc-key KEY`")
     kernels_module = _kernel_library(session.executable)
-    by_name: dict[str, KernelTime] = {}
+    call_sites: dict[tuple[str, int], KernelTime] = {}
+    calls_of = _CallCounter()
 
     def instrument(func, symbol, before_run, return_value, *arguments):
         if before_run and kernels_module.implements_function(symbol):
             timer = kernels_module.time_evaluator(symbol, session.device, number=number,
                                                   repeat=repeat)
-            seconds = min(timer(*arguments).results)
-            entry = by_name.setdefault(symbol, KernelTime(symbol, 0, 0.0, [
+            call = calls_of.next(symbol)
+            call_sites[symbol, call] = KernelTime(symbol, call, min(timer(*arguments).results), [
                 tuple(argument.shape) if hasattr(argument, "shape") else argument
-                for argument in arguments]))
-            entry.calls += 1
-            entry.seconds += seconds
+                for argument in arguments])
         return 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
 
     # whole runs first: the first kernels timed right after compiling ran up to 2x slow
@@ -118,19 +122,35 @@ def profile_kernels(session, feeds: dict[str, np.ndarray], number: int = 20,
     profiled_vm.set_instrument(instrument)
     profiled_vm[_interpreted_main(profiled_vm)](*arguments)
     in_run, instrumented_run_seconds = _in_run_seconds(session, kernels_module, arguments)
-    for name, seconds in in_run.items():
-        by_name[name].in_run_seconds = seconds
+    for site, seconds in in_run.items():
+        if site in call_sites:  # a call in a branch the profiled run did not take has no row
+            call_sites[site].in_run_seconds = seconds
+    for site in call_sites.values():
+        site.calls = calls_of.counts[site.name]
     run_seconds = float(np.median(session.time_run(feeds, repeat=max(20, repeat))))
-    return Profile(sorted(by_name.values(), key=lambda k: -k.in_run_seconds), run_seconds,
+    return Profile(sorted(call_sites.values(), key=lambda k: -k.in_run_seconds), run_seconds,
                    instrumented_run_seconds)
 
 
-def _in_run_seconds(session, kernels_module, arguments: list) -> tuple[dict[str, float], float]:
-    """Each kernel's time inside whole runs, summed over its calls in a run, and the time of
-    those whole runs: medians over IN_RUN_RUNS runs."""
-    runs: list[dict[str, float]] = []
+class _CallCounter:
+    """Numbers each kernel's calls in a run: (kernel, n) names a call site."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def next(self, symbol: str) -> int:
+        self.counts[symbol] = self.counts.get(symbol, 0) + 1
+        return self.counts[symbol]
+
+
+def _in_run_seconds(session, kernels_module, arguments: list
+                    ) -> tuple[dict[tuple[str, int], float], float]:
+    """Each call site's time inside whole runs, and the time of those whole runs: medians over
+    IN_RUN_RUNS runs."""
+    runs: list[dict[tuple[str, int], float]] = []
     run_seconds: list[float] = []
     started: dict[str, float] = {}
+    calls_of = _CallCounter()
 
     def instrument(func, symbol, before_run, return_value, *call_arguments):
         if kernels_module.implements_function(symbol):
@@ -138,7 +158,7 @@ def _in_run_seconds(session, kernels_module, arguments: list) -> tuple[dict[str,
             if before_run:
                 started[symbol] = now
             else:
-                runs[-1][symbol] = runs[-1].get(symbol, 0.0) + now - started[symbol]
+                runs[-1][symbol, calls_of.next(symbol)] = now - started[symbol]
         return 0  # VMInstrumentReturnKind.NO_OP
 
     timed_vm = relax.VirtualMachine(session.executable, session.device)
@@ -146,12 +166,13 @@ def _in_run_seconds(session, kernels_module, arguments: list) -> tuple[dict[str,
     main = _interpreted_main(timed_vm)
     for _ in range(IN_RUN_RUNS):
         runs.append({})
+        calls_of.counts.clear()
         run_started = time.perf_counter()
         timed_vm[main](*arguments)
         run_seconds.append(time.perf_counter() - run_started)
-    # a kernel that runs in some runs only (an If branch) counts 0 in the others
-    names = {name for run in runs for name in run}
-    medians = {name: float(np.median([run.get(name, 0.0) for run in runs])) for name in names}
+    # a call that runs in some runs only (an If branch) counts 0 in the others
+    sites = {site for run in runs for site in run}
+    medians = {site: float(np.median([run.get(site, 0.0) for run in runs])) for site in sites}
     return medians, float(np.median(run_seconds))
 
 
