@@ -140,3 +140,12 @@ def test_loading_reports_why_a_build_failed_and_skips_the_loads_it_would_feed():
     assert result.failures["tvm-default load"] == "not run: the build failed"
     assert result.failures["tvm-default load+run"] == "not run: the build failed"
     assert {"tightfit build", "tightfit load", "tightfit load+run"} <= set(result.seconds)
+
+
+def test_bench_names_a_zoo_model_it_does_not_have(capsys):
+    from tightfit.cli import main
+    from tightfit.errors import InputError
+
+    assert main(["bench", "--zoo", "resnet_style", "no_such_model"]) == InputError.exit_code
+    error = capsys.readouterr().err
+    assert error.startswith("error: the zoo has no model no_such_model; its models: resnet_style,")

@@ -1,7 +1,11 @@
-"""A worker process runs its module as `python -m` would, with its arguments, and without torch."""
+"""A worker process runs its module as `python -m` would, with its arguments, and without torch;
+the `tightfit` command imports torch only where the zoo's PyTorch-exported models need it."""
 
 import os
 import subprocess
+import sys
+
+import pytest
 
 from tightfit.fresh_process import worker_command
 
@@ -21,3 +25,26 @@ def test_a_worker_runs_its_module_as_main_with_its_arguments_and_cannot_import_t
     completed = subprocess.run(worker_command("probe", "a", "b c"), cwd=tmp_path, capture_output=True,
                                text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=True)
     assert completed.stdout.strip() == "__main__ ['a', 'b c'] no torch"
+
+
+COMMAND_PROBE = """
+import sys
+from tightfit.cli import main
+print("exit", main(sys.argv[1:], torch_only_for_the_zoo=True))
+try:
+    import torch
+    print("torch imported")
+except ImportError:
+    print("no torch")
+"""
+
+
+@pytest.mark.parametrize("command, torch_found", [
+    (["devices", "--json"], "no torch"),
+    (["bench", "--zoo", "no_such_model"], "torch imported"),
+])
+def test_the_command_imports_torch_for_the_zoo_alone(command, torch_found):
+    completed = subprocess.run([sys.executable, "-c", COMMAND_PROBE, *command], capture_output=True,
+                               text=True, timeout=300)
+    assert completed.stdout.splitlines()[-1] == torch_found, completed.stderr
+

@@ -18,12 +18,22 @@ from pathlib import Path
 import numpy as np
 
 
-def main(argv: list[str] | None = None) -> int:
+def entry_point() -> None:
+    """The `tightfit` command (and `python -m tightfit.cli`): `main` in a process of its own,
+    which imports torch only for the zoo's PyTorch-exported models."""
+    sys.exit(main(torch_only_for_the_zoo=True))
+
+
+def main(argv: list[str] | None = None, torch_only_for_the_zoo: bool = False) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "handler"):
         parser.print_help()
         return 2
+    if torch_only_for_the_zoo and getattr(args, "zoo", None) is None:
+        from .fresh_process import forbid_torch
+
+        forbid_torch()
     from .errors import TightfitError
 
     try:
@@ -309,6 +319,9 @@ def _bench(args) -> int:
     if args.zoo is not None:
         from .testing import zoo
 
+        unknown = sorted(set(args.zoo) - set(zoo.names()))
+        if unknown:
+            raise InputError(f"the zoo has no model {', '.join(unknown)}; its models: {', '.join(zoo.names())}")
         for name in args.zoo or zoo.names():
             entry = zoo.get(name)
             jobs.append((name, entry.build(), entry.shape_sets, entry.feeds))
@@ -636,4 +649,4 @@ def _emit(args, data, text: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

@@ -5,15 +5,22 @@ checks ONNX cases in worker processes (conformance.py). Every start imports TVM,
 imports torch whenever torch is installed (to dodge a symbol clash seen on Windows): here
 `import tightfit, onnxruntime` took 9.0-9.3 s and 437 MB of RSS with torch installed, 4.0-4.5 s
 and 236 MB without. No worker uses torch (they load ONNX files), so a worker's interpreter marks
-torch as absent before anything imports it; a user's own process is left as it is.
+torch as absent before anything imports it, and so does the `tightfit` command where it needs
+no torch (cli.entry_point); a user's own process is left as it is.
 """
 
 from __future__ import annotations
 
 import sys
 
-_WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; del sys.argv[0]; "
-                  "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+_WITHOUT_TORCH = ("import runpy, sys; from tightfit.fresh_process import forbid_torch; forbid_torch(); "
+                  "del sys.argv[0]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def forbid_torch() -> None:
+    """Make `import torch` fail in this process from now on (tvm_ffi then goes without it);
+    a process that imported torch already keeps it."""
+    sys.modules.setdefault("torch", None)
 
 
 def worker_command(module: str, *args: str) -> list[str]:
