@@ -12,6 +12,7 @@ from .inline_branch_functions import InlineBranchFunctions
 from .keep_reshapes_as_views import KeepReshapesAsViews, legalize_views
 from .launch_kernel_sequences import LaunchKernelSequences
 from .lower_nonzero import LowerNonZero
+from .lower_scans import LowerScans
 from .move_into_branches import MoveIntoBranches
 from .pretransform_weights import PreTransformWeights
 from .rdp import RankDimensionPropagation
@@ -38,6 +39,7 @@ __all__ = [
     "KeepReshapesAsViews",
     "LaunchKernelSequences",
     "LowerNonZero",
+    "LowerScans",
     "MoveIntoBranches",
     "PreTransformWeights",
     "RankDimensionPropagation",

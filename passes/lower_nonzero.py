@@ -35,7 +35,7 @@ class _NonZeroLowerer(relax.PyExprMutator):
             return call  # rank unknown: TVM's own version
         dims = list(data.ty.shape.values) or [tirx.IntImm("int64", 1)]
         emit = self.builder_.emit
-        flat = emit(relax.op.reshape(data, [_product(dims)]))
+        flat = emit(relax.op.reshape(data, [product(dims)]))
         # (TVM's LLVM codegen compares bools as floats, which LLVM rejects: a bool is its own mask)
         nonzero = flat if data.ty.dtype == "bool" else emit(relax.op.not_equal(flat, relax.const(0, data.ty.dtype)))
         counted = emit(relax.op.sum(relax.op.astype(nonzero, "int64"), axis=[0], keepdims=True))
@@ -93,7 +93,8 @@ def _unravel(positions: te.Tensor, dims: list) -> te.Tensor:
     return te.compute((len(dims), positions.shape[0]), coordinate, name="nonzero_indices")
 
 
-def _product(dims: list) -> tirx.PrimExpr:
+def product(dims: list) -> tirx.PrimExpr:
+    """The product of `dims`, simplified (1 for none)."""
     size = tirx.IntImm("int64", 1)
     for dim in dims:
         size = size * dim

@@ -31,6 +31,7 @@ from .passes import (
     KeepReshapesAsViews,
     LaunchKernelSequences,
     LowerNonZero,
+    LowerScans,
     MoveIntoBranches,
     PreTransformWeights,
     RankDimensionPropagation,
@@ -100,9 +101,11 @@ def passes(target: CompileTarget, options: PipelineOptions = PipelineOptions()) 
           if options.fast_kernels else []),
         *([UseFastMath()] if options.fast_math else []),
         PreTransformWeights(),
-        # 3. lower to TIR and fuse (NonZero to compiled kernels, and sorts, scans and sampling to
-        #    their library kernels first); view kernels and max pools are marked for step 4
+        # 3. lower to TIR and fuse (NonZero and cumulative sums and products to compiled kernels,
+        #    sorts and sampling to their library kernels first); view kernels and max pools are
+        #    marked for step 4
         LowerNonZero(),
+        LowerScans(),
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
         relax.transform.LegalizeOps({**legalize_views(), **legalize_max_pool(), **legalize_as_onnx()}),

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tightfit.cli import main
 from tightfit.device_rpc.devices import load_device, preset_names
+from tightfit.device_rpc.emulated import SERVER_LOOP
 from tightfit.device_rpc.tracker import devices_under, free_port, stop_process_group, wait_for_key
 from tightfit.device_rpc.tuning import recorded_trials
 from tightfit.errors import DeviceError, TargetError
@@ -19,14 +20,18 @@ from tightfit.target import resolve_target
 
 pytestmark = pytest.mark.xdist_group("rpc_devices")  # see test_emulated_arm64.py
 
+SERVER_WITHOUT_TORCH = "from tightfit.fresh_process import forbid_torch; forbid_torch()\n" + SERVER_LOOP
+
 
 @pytest.fixture(scope="module")
 def x86_server(tracker):
-    """A plain TVM RPC server on this machine, registered under the key 'x86-local'."""
+    """A plain TVM RPC server on this machine, registered under the key 'x86-local': TVM's listen
+    loop, each session forked from it, as `python -m tvm.exec.rpc_server` runs them. It runs the
+    loop in the process it starts (emulated.SERVER_LOOP) and without torch: `tvm.exec.rpc_server`
+    imported TVM, and torch with it, in two processes (26 s of this module's setup in CI)."""
     port = free_port(9300)
-    server = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", str(tracker),
-                               "--key", "x86-local", "--host", "127.0.0.1", "--port", str(port),
-                               "--port-end", str(port + 1)], start_new_session=True)
+    server = subprocess.Popen([sys.executable, "-c", SERVER_WITHOUT_TORCH, "127.0.0.1", str(port), "x86-local",
+                               tracker.host, str(tracker.port), ""], start_new_session=True)
     wait_for_key(tracker, "x86-local", minimum=1, timeout_s=60, alive=lambda: server.poll() is None)
     yield "x86-local"
     stop_process_group(server.pid)
