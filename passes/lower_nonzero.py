@@ -15,6 +15,8 @@ one, as ONNX and numpy do.
 
 from __future__ import annotations
 
+import functools
+
 import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
@@ -42,7 +44,7 @@ class _NonZeroLowerer(relax.PyExprMutator):
         count = tirx.Var("nonzero_count", "int64")
         self.builder_.match_cast(emit(relax.op.tensor_to_shape(counted)), relax.ShapeType([count]))
         if self.scan_kernel is None:
-            self.scan_kernel = self.builder_.add_func(nonzero_positions, "nonzero_positions")
+            self.scan_kernel = self.builder_.add_func(nonzero_positions(), "nonzero_positions")
         positions = emit(relax.op.call_tir(self.scan_kernel, [nonzero], relax.TensorType([count], "int64")))
         return self.builder_.call_te(_unravel, positions, dims, primfunc_name_hint="nonzero_unravel")
 
@@ -57,25 +59,32 @@ class LowerNonZero:
         return lowerer.builder_.get()
 
 
-@T.prim_func(private=True, s_tir=True)
-def nonzero_positions(var_mask: T.handle, var_positions: T.handle):
-    """The positions, in order, of the true elements of a vector (one serial pass)."""
-    # a sequential scan: nothing to schedule, and the count written is the count allocated
-    T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-    size = T.int64()
-    count = T.int64()
-    mask = T.match_buffer(var_mask, (size,), "bool")
-    positions = T.match_buffer(var_positions, (count,), "int64")
-    with T.sblock("root"):
-        found = T.sblock_alloc_buffer((1,), "int64")
-        with T.sblock("scan"):
-            T.reads(mask[0:size])
-            T.writes(positions[0:count], found[0:1])
-            found[0] = T.int64(0)
-            for i in range(size):
-                if mask[i]:
-                    positions[found[0]] = i
-                    found[0] = found[0] + T.int64(1)
+@functools.cache
+def nonzero_positions() -> tirx.PrimFunc:
+    """The scan kernel, parsed on first use: TVMScript's parser inspects the whole call stack,
+    which at import time took 0.44 s of every process that imports tightfit."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def nonzero_positions(var_mask: T.handle, var_positions: T.handle):
+        """The positions, in order, of the true elements of a vector (one serial pass)."""
+        # a sequential scan: nothing to schedule, and the count written is the count allocated
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        size = T.int64()
+        count = T.int64()
+        mask = T.match_buffer(var_mask, (size,), "bool")
+        positions = T.match_buffer(var_positions, (count,), "int64")
+        with T.sblock("root"):
+            found = T.sblock_alloc_buffer((1,), "int64")
+            with T.sblock("scan"):
+                T.reads(mask[0:size])
+                T.writes(positions[0:count], found[0:1])
+                found[0] = T.int64(0)
+                for i in range(size):
+                    if mask[i]:
+                        positions[found[0]] = i
+                        found[0] = found[0] + T.int64(1)
+
+    return nonzero_positions
 
 
 def _unravel(positions: te.Tensor, dims: list) -> te.Tensor:
