@@ -32,18 +32,21 @@ def compile(  # noqa: A001 - the name users expect, as tvm.compile
     options: PipelineOptions = PipelineOptions(),
     dump_ir: str | Path | None = None,
     on_pass: Callable[[str], None] | None = None,
+    after_pass: Callable[[str, tvm.IRModule], None] | None = None,
 ) -> Package:
     """Compile an ONNX model (a path or a ModelProto) for `target` ("host" or a TVM target dict).
 
     `input_shapes` fixes or renames input dims; `dump_ir` writes the IR after every pass to that
-    directory, numbered in pipeline order; `on_pass` is called with each pass name as it starts.
+    directory, numbered in pipeline order; `on_pass` is called with each pass name as it starts,
+    `after_pass` with each pass name and the IRModule it made (keep the stages you want to see).
     """
     compile_target = resolve_target(target)
     started = time.perf_counter()
     imported = import_onnx(model, input_shapes)
     proto = imported.onnx_model
     import_seconds = time.perf_counter() - started
-    lowered, pass_times = run_pipeline(imported.mod, compile_target, options, dump_ir, on_pass)
+    lowered, pass_times = run_pipeline(imported.mod, compile_target, options, dump_ir, on_pass,
+                                       after_pass=after_pass)
     lowered, weights = split_weights(lowered)
     if on_pass is not None:
         on_pass("build")

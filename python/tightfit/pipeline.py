@@ -203,12 +203,14 @@ def run_pipeline(
     dump_ir: str | Path | None = None,
     on_pass: Callable[[str], None] | None = None,
     stop_after: str | None = None,
+    after_pass: Callable[[str, tvm.IRModule], None] | None = None,
 ) -> tuple[tvm.IRModule, list[dict]]:
     """Apply every pass of `passes()` in order; write `NN-<pass>.py` to `dump_ir` after each.
 
     Returns the lowered module and the seconds each pass took; `on_pass` hears each pass's name
-    as it starts. `stop_after` names the last pass to run (TUNING_STAGE: the kernels as tuning
-    sees them).
+    as it starts, `after_pass` gets its name and the module it made (a stage to look at without
+    writing every one out). `stop_after` names the last pass to run (TUNING_STAGE: the kernels
+    as tuning sees them).
     """
     pipeline = passes(target, options)
     if stop_after is not None:
@@ -234,6 +236,8 @@ def run_pipeline(
                     "it got, and file an issue with that and the model"
                 ) from err
             pass_times.append({"pass": name, "seconds": round(time.perf_counter() - started, 4)})
+            if after_pass is not None:
+                after_pass(name, mod)
             if dump_dir is not None:
                 _write_ir(dump_dir / f"{index:02d}-{_file_stem(name)}.py", mod)
     return mod, pass_times

@@ -24,7 +24,7 @@ from tightfit.schedules.attention import value_chunks
 from tightfit.schedules.isa import isa_for_target
 from tightfit.target import resolve_target
 
-from kernel_harness import input_shapes
+from kernel_harness import compile_keeping, input_shapes
 
 LANES = isa_for_target(resolve_target("host").tvm_target).lanes
 
@@ -318,11 +318,10 @@ def test_a_mask_that_broadcasts_the_scores_up_is_not_fused():
     kernel's (its batch is Q's): the attention stays unfused (it failed to compile, fused), and
     its scores' add runs after the GEMM kernel, not in its write-back."""
     model = attention_model(batch=(2, 3), mask=[5, 2, 3, "queries", "keys"])
-    fused, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), PipelineOptions(),
-                            stop_after="tightfit.FuseAttention")
+    package, fused = compile_keeping(model, "tightfit.FuseAttention")
     assert not any(global_var.name_hint.startswith("attention")
                    for global_var in fused.functions), fused.functions.keys()
-    session = tightfit.compile(model).session()
+    session = package.session()
     assert_matches(model, session, LANES + 1, 7)
 
 

@@ -14,13 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-import tightfit
 from tightfit.feeds import run_onnxruntime
-from tightfit.frontend import import_onnx
-from tightfit.pipeline import PipelineOptions, run_pipeline
-from tightfit.target import resolve_target
 
-from kernel_harness import input_shapes, selected_algorithms
+from kernel_harness import compile_keeping, input_shapes, selected_algorithms
 
 DEPTH = 12
 UNARY_OPS = ("Relu", "Sigmoid", "Tanh", "Erf", "Abs")
@@ -129,10 +125,9 @@ def feeds_at(model: onnx.ModelProto, rows: int) -> dict[str, np.ndarray]:
 @given(epilogues())
 def test_any_elementwise_chain_after_a_kernel_matches_onnxruntime(epilogue):
     model = epilogue_model(*epilogue)
-    selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), PipelineOptions(),
-                               stop_after="tightfit.SelectGemmKernel")
+    package, selected = compile_keeping(model, "tightfit.SelectGemmKernel")
     assert selected_algorithms(selected), "the product is not a tightfit kernel's"
-    session = tightfit.compile(model).session()
+    session = package.session()
     for rows in ROW_COUNTS:
         feeds = feeds_at(model, rows)
         expected = run_onnxruntime(model, feeds)

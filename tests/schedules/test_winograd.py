@@ -17,7 +17,7 @@ from tightfit.schedules.isa import AVX512
 from tightfit.schedules.winograd import MATRICES
 from tightfit.target import resolve_target
 
-from kernel_harness import selected_algorithms
+from kernel_harness import compile_keeping, selected_algorithms
 
 
 def as_array(matrix) -> np.ndarray:
@@ -239,15 +239,14 @@ def test_the_input_transform_reads_a_pooled_plane_as_plain_symbols():
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16, "h", "w"])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16, "oh", "ow"])], [weight])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    options = PipelineOptions(conv_algorithms=("winograd_f4",))
-    selected, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
-                               stop_after="tightfit.SelectConvAlgorithm")
+    package, selected = compile_keeping(model, "tightfit.SelectConvAlgorithm",
+                                        options=PipelineOptions(conv_algorithms=("winograd_f4",)))
     transform = selected[selected.get_global_var("winograd_input")]
     image, tiles = transform.params  # no symbols passed beside them
     assert all(isinstance(dim, (tirx.IntImm, tirx.Var)) for dim in image.shape), image.shape
     plane = {dim for dim in image.shape if isinstance(dim, tirx.Var)}
     assert {var for dim in tiles.shape for var in tirx.analysis.undefined_vars(dim)} <= plane
-    session = tightfit.compile(model, options=options).session()
+    session = package.session()
     for shape in [(1, 16, 23, 30), (2, 16, 16, 9)]:
         feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
         np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
