@@ -77,14 +77,13 @@ def input_shapes(model: onnx.ModelProto, sizes: dict[str, int]) -> dict[str, lis
 SCHEDULED = "tightfit.FallbackCPUSchedule"  # the pass after which every kernel is scheduled
 
 
-def compile_keeping(model, stage: str = SCHEDULED, **compile_args) -> tuple[tightfit.Package, tvm.IRModule]:
-    """`tightfit.compile(model, **compile_args)` and its module after the pass `stage` (as
-    scheduling left it, by default): one pipeline run for both a test's checks of the IR and of
-    the outputs."""
-    stages: dict[str, tvm.IRModule] = {}
-    package = tightfit.compile(model, after_pass=lambda name, mod: stages.setdefault(name, mod),
+def compile_keeping(model, *stages: str, **compile_args) -> tuple:
+    """`tightfit.compile(model, **compile_args)`, then its module after each pass named in
+    `stages`: one pipeline run for both a test's checks of the IR and of the outputs."""
+    kept: dict[str, tvm.IRModule] = {}
+    package = tightfit.compile(model, after_pass=lambda name, mod: kept.setdefault(name, mod),
                                **compile_args)
-    return package, stages[stage]
+    return (package, *(kept[stage] for stage in stages))
 
 
 def kernel_blocks(mod: tvm.IRModule) -> list[str]:

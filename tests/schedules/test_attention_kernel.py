@@ -17,14 +17,15 @@ from tvm import relax
 
 import tightfit
 from tightfit.feeds import run_onnxruntime
-from tightfit.frontend import import_onnx
 from tightfit.passes import fuse_attention
-from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.pipeline import PipelineOptions
 from tightfit.schedules.attention import value_chunks
 from tightfit.schedules.isa import isa_for_target
 from tightfit.target import resolve_target
 
-from kernel_harness import compile_keeping, input_shapes
+from kernel_harness import SCHEDULED, compile_keeping, input_shapes
+
+FUSED = "tightfit.FuseAttention"
 
 LANES = isa_for_target(resolve_target("host").tvm_target).lanes
 
@@ -84,17 +85,13 @@ def feeds_for(model: onnx.ModelProto, queries: int, keys: int, seed: int = 0) ->
     return feeds
 
 
-def kernel_names(model: onnx.ModelProto, options: PipelineOptions) -> list[str]:
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
-                                stop_after="tightfit.FallbackCPUSchedule")
+def kernel_names(scheduled: tvm.IRModule) -> list[str]:
     return [global_var.name_hint for global_var, func in scheduled.functions.items()
             if not global_var.name_hint == "main"]
 
 
-def matmul_columns(model: onnx.ModelProto, options: PipelineOptions) -> list[int]:
-    """The column count of each matmul in `model` after FuseAttention."""
-    fused, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"), options,
-                            stop_after="tightfit.FuseAttention")
+def matmul_columns(fused: tvm.IRModule) -> list[int]:
+    """The column count of each matmul of a module after FuseAttention."""
     columns = []
 
     def visit(expr):
@@ -140,11 +137,11 @@ def test_attention_kernel_matches_onnxruntime_at_tile_edges(knob_database, monke
     entry."""
     monkeypatch.setattr(fuse_attention, "MAX_HEAD_WIDTH", 1000)
     model = attention_model(**CASES[case])
-    options = PipelineOptions(knob_database=knob_database)
-    names = kernel_names(model, options)
+    package, scheduled = compile_keeping(model, SCHEDULED, options=PipelineOptions(knob_database=knob_database))
+    names = kernel_names(scheduled)
     assert any(name.startswith("attention") for name in names), names
     assert not any("softmax" in name or "matmul" in name for name in names), names
-    session = tightfit.compile(model, options=options).session()
+    session = package.session()
     for sequence in range(1, 2 * LANES + 2):
         assert_matches(model, session, sequence, sequence)
     assert_matches(model, session, LANES - 1, 3 * LANES + 5)
@@ -240,16 +237,17 @@ def test_heads_cut_from_a_qkv_projection_are_read_from_it(knob_database, cut):
     between the projection and the attention kernel, and every sequence up to two query tiles
     and one more matches onnxruntime, for one and three batch entries."""
     model = qkv_attention_model(cut.split("-")[0], operands_scaled=cut.endswith("scaled"))
-    options = PipelineOptions(knob_database=knob_database)
-    names = kernel_names(model, options)
+    package, fused, scheduled = compile_keeping(model, FUSED, SCHEDULED,
+                                                options=PipelineOptions(knob_database=knob_database))
+    names = kernel_names(scheduled)
     assert any(name.startswith("attention") for name in names), names
     assert not any(op in name for name in names
                    for op in ("slice", "split", "take", "transpose", "squeeze", "multiply")), names
     # three projections of x are merged into one GEMM (merged_projections.py), and one
     # projection is kept as it is: 3 x width columns either way
     assert sum("dense" in name or "matmul" in name for name in names) == 1, names
-    assert matmul_columns(model, options) == [3 * 32]
-    session = tightfit.compile(model, options=options).session()
+    assert matmul_columns(fused) == [3 * 32]
+    session = package.session()
     for batch in (1, 3):
         for sequence in range(1, 2 * LANES + 2):
             feeds = {"x": np.random.default_rng(sequence).standard_normal(
@@ -285,11 +283,11 @@ def test_any_qkv_attention_is_one_kernel_over_one_gemm_and_matches_onnxruntime(
     added, and the heads' count and width: one attention kernel reading one GEMM of 3 x width
     columns, matching onnxruntime for 1 and 2 batch entries across a query tile's edge."""
     model = qkv_attention_model(cut, heads, depth, operands_scaled, mask)
-    options = PipelineOptions()
-    names = kernel_names(model, options)
+    package, fused, scheduled = compile_keeping(model, FUSED, SCHEDULED)
+    names = kernel_names(scheduled)
     assert sum(name.startswith("attention") for name in names) == 1, names
-    assert matmul_columns(model, options) == [3 * heads * depth]
-    session = tightfit.compile(model, options=options).session()
+    assert matmul_columns(fused) == [3 * heads * depth]
+    session = package.session()
     for batch, sequence in ((1, 1), (2, LANES - 1), (1, LANES + 2)):
         feeds = qkv_feeds(model, batch, sequence)
         np.testing.assert_allclose(session.run(feeds)["y"], run_onnxruntime(model, feeds)["y"],
@@ -307,9 +305,10 @@ def test_an_attention_whose_steps_are_needed_elsewhere_keeps_its_kernels(change)
     if change == "unscaled-by-a-vector":
         model.graph.initializer[0].CopyFrom(numpy_helper.from_array(
             np.linspace(0.2, 0.5, 5).astype(np.float32), "c"))
-    names = kernel_names(model, PipelineOptions())
+    package, scheduled = compile_keeping(model, SCHEDULED)
+    names = kernel_names(scheduled)
     assert not any(name.startswith("attention") for name in names), names
-    session = tightfit.compile(model).session()
+    session = package.session()
     assert_matches(model, session, 6, 5 if change == "unscaled-by-a-vector" else 9)
 
 
@@ -318,7 +317,7 @@ def test_a_mask_that_broadcasts_the_scores_up_is_not_fused():
     kernel's (its batch is Q's): the attention stays unfused (it failed to compile, fused), and
     its scores' add runs after the GEMM kernel, not in its write-back."""
     model = attention_model(batch=(2, 3), mask=[5, 2, 3, "queries", "keys"])
-    package, fused = compile_keeping(model, "tightfit.FuseAttention")
+    package, fused = compile_keeping(model, FUSED)
     assert not any(global_var.name_hint.startswith("attention")
                    for global_var in fused.functions), fused.functions.keys()
     session = package.session()

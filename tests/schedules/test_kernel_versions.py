@@ -40,7 +40,7 @@ from tightfit.schedules.tail_tiles import rewrite_loop_nest
 from tightfit.target import resolve_target
 from tightfit.testing import zoo
 
-from kernel_harness import AVX512_TARGET, compile_keeping, kernel_blocks, selected_algorithms
+from kernel_harness import AVX512_TARGET, SCHEDULED, compile_keeping, kernel_blocks, selected_algorithms
 
 ARM64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
 
@@ -145,7 +145,7 @@ def tile_rows(columns: int, panel_width: int | None = None, target="host") -> in
 def assert_matches_onnxruntime(model, kernel, knob_database, feeds_at, extents,
                                conv_algorithms=None):
     options = PipelineOptions(knob_database=knob_database, conv_algorithms=conv_algorithms)
-    package, scheduled = compile_keeping(model, options=options)
+    package, scheduled = compile_keeping(model, SCHEDULED, options=options)
     assert kernel in kernel_blocks(scheduled), f"{model.graph.name} does not use {kernel}"
     session = package.session()
     for extent in extents:
@@ -1037,7 +1037,7 @@ def test_narrow_rows_with_a_residual_input_keep_their_column_check(knob_database
                          ids=["dense", "batched_matmul", "conv", "depthwise", "grouped",
                               "pointwise_prefetching", "pointwise_channel_vectors"])
 def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
-    package, scheduled = compile_keeping(model, target=ARM64)
+    package, scheduled = compile_keeping(model, SCHEDULED, target=ARM64)
     assert kernel in kernel_blocks(scheduled)
     assert "T.vectorized(T.int64(4))" in scheduled.script()
     assert "T.vectorized(T.int64(16))" not in scheduled.script()
@@ -1051,7 +1051,7 @@ def test_kernels_compile_for_arm64_neon_with_four_lane_vectors(model, kernel):
 def test_weight_prefetches_compile_for_arm64(model, algorithm):
     """A conv whose packed weight is over PREFETCH_MIN_WEIGHT_BYTES with 4-lane panels too
     asks for its weight rows ahead, and LLVM lowers the prefetches for aarch64."""
-    package, scheduled = compile_keeping(model, target=ARM64,
+    package, scheduled = compile_keeping(model, SCHEDULED, target=ARM64,
                                                    options=PipelineOptions(conv_algorithms=(algorithm,)))
     assert re.search(r'"llvm.prefetch", T.address_of\(w_(rows|panels)\[', scheduled.script())
     assert package.executable is not None
