@@ -25,9 +25,6 @@ from tightfit.device_rpc.tracker import devices_under
 from tightfit.device_rpc.tuning import recorded_trials
 from tightfit.errors import DeviceError, TargetError
 from tightfit.feeds import max_abs_error, run_onnxruntime
-from tightfit.frontend import import_onnx
-from tightfit.pipeline import run_pipeline
-from tightfit.target import resolve_target
 from tightfit.testing import zoo
 
 # one pytest worker runs every device test: they share the RPC tracker's port range and the
@@ -254,15 +251,15 @@ def test_kernel_choices_timed_on_the_emulated_device_decide_the_arm64_build(trac
     assert all(us > 0 for us in conv["measured_us"].values())
     (target_key,) = json.loads(knobs.read_text())["targets"]
     assert "aarch64" in target_key
-    options = tightfit.PipelineOptions(knob_database=str(knobs))
-    chosen, _ = run_pipeline(import_onnx(model).mod, resolve_target("emulated-arm64"), options,
-                             stop_after="tightfit.SelectConvAlgorithm")
+    stages = {}
+    package = tightfit.compile(model, "emulated-arm64", options=tightfit.PipelineOptions(knob_database=str(knobs)),
+                               after_pass=stages.setdefault)
+    chosen = stages["tightfit.SelectConvAlgorithm"]
     (algorithm,) = [str(func.attrs["tightfit.algorithm"]) for func in chosen.functions.values()
                     if func.attrs is not None and "tightfit.algorithm" in func.attrs
                     and "tightfit.conv_key" in func.attrs]
     assert algorithm == conv["measured_choice"]
-    session = tightfit.compile(model, "emulated-arm64", options=options).remote_session(
-        str(tracker), arm64_device)
+    session = package.remote_session(str(tracker), arm64_device)
     feeds = {"x": rng.standard_normal((1, 8, 15, 21)).astype(np.float32)}
     assert max_abs_error(session.run(feeds), run_onnxruntime(model, feeds)) < 1e-4
 
@@ -280,11 +277,11 @@ def test_transformer_compiled_for_arm64_runs_on_the_emulated_device(tracker, arm
     done by the PV product's stores); dense layers, layer norm, softmax and GELU in 4-lane
     vectors too. Sequences under, at and past one and two query tiles."""
     model = build()
-    scheduled, _ = run_pipeline(import_onnx(model).mod, resolve_target("emulated-arm64"),
-                                stop_after="tightfit.FallbackCPUSchedule")
-    names = [global_var.name_hint for global_var in scheduled.functions]
+    stages = {}
+    package = tightfit.compile(model, "emulated-arm64", after_pass=stages.setdefault)
+    names = [global_var.name_hint for global_var in stages["tightfit.FallbackCPUSchedule"].functions]
     assert any(name.startswith(kernel) for name in names), names
-    session = tightfit.compile(model, "emulated-arm64").remote_session(str(tracker), arm64_device)
+    session = package.remote_session(str(tracker), arm64_device)
     for batch, sequence in ((1, 1), (2, 3), (1, 4), (2, 5), (1, 8), (3, 9)):
         # token ids, and a padding mask for the model that takes one
         feeds = zoo.get("bert_encoder").feeds({"tokens": (batch, sequence)})

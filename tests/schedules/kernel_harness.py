@@ -81,7 +81,7 @@ def compile_keeping(model, *stages: str, **compile_args) -> tuple:
     """`tightfit.compile(model, **compile_args)`, then its module after each pass named in
     `stages`: one pipeline run for both a test's checks of the IR and of the outputs."""
     kept: dict[str, tvm.IRModule] = {}
-    package = tightfit.compile(model, after_pass=lambda name, mod: kept.setdefault(name, mod),
+    package = tightfit.compile(model, after_pass=kept.setdefault,
                                **compile_args)
     return (package, *(kept[stage] for stage in stages))
 
