@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import tightfit
 from tightfit.feeds import random_feeds, run_onnxruntime
 from tightfit.frontend import declared_inputs
+from tightfit.session import Session
 from tightfit.testing import zoo
 
 
@@ -24,17 +25,32 @@ def build(entry: zoo.ZooModel):
         pytest.skip(f"{entry.name} is exported from PyTorch, which is not installed")
 
 
+# The CNNs that are also drawn at other image sizes: under pytest-xdist both tests of one run
+# on the same worker, which compiles it once (`compiled`).
+DRAWN_CNNS = ["conv_dynamic_hw", "grouped_convnet", "mobilenet_v2_style"]
+
+
+def on_one_worker(names: list[str]) -> list:
+    return [pytest.param(name, marks=pytest.mark.xdist_group(f"zoo-{name}")) if name in DRAWN_CNNS
+            else name for name in names]
+
+
+@functools.cache
+def compiled(name: str) -> tuple[tightfit.Package, Session]:
+    package = tightfit.compile(build(zoo.get(name)))
+    return package, package.session()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", zoo.names())
+@pytest.mark.parametrize("name", on_one_worker(zoo.names()))
 def test_zoo_model_matches_onnxruntime_at_every_shape_with_one_package(name):
     entry = zoo.get(name)
     model = build(entry)
-    package = tightfit.compile(model)
+    package, session = compiled(name)
     # TVM implements some ops (nonzero, unique) as Python callbacks, which a phone's C++ runtime
     # lacks: the compiled code must call only its own kernels and the VM's builtins
     called = re.search(r"Globals \(#\d+\): \[(.*?)\]", package.executable.stats()).group(1).split(", ")
     assert [name for name in called if name.startswith("relax.run.")] == []
-    session = package.session()
     for shapes in entry.shape_sets:
         feeds = entry.feeds(shapes) if entry.feeds else random_feeds(declared_inputs(model.graph), shapes)
         ours = session.run(feeds)
@@ -47,13 +63,8 @@ def test_zoo_model_matches_onnxruntime_at_every_shape_with_one_package(name):
                                        err_msg=f"{name} {output} at {shapes}")
 
 
-@functools.cache
-def compiled_session(name: str):
-    return tightfit.compile(zoo.get(name).build()).session()
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["conv_dynamic_hw", "grouped_convnet", "mobilenet_v2_style"])
+@pytest.mark.parametrize("name", on_one_worker(DRAWN_CNNS))
 @settings(max_examples=12, deadline=None)
 @given(batch=st.integers(1, 3), height=st.integers(8, 72), width=st.integers(8, 72))
 def test_zoo_cnns_match_onnxruntime_at_drawn_image_sizes(name, batch, height, width):
@@ -62,7 +73,7 @@ def test_zoo_cnns_match_onnxruntime_at_drawn_image_sizes(name, batch, height, wi
     model = zoo.get(name).build()
     shape = (1 if name == "conv_dynamic_hw" else batch, 3, height, width)  # its batch is fixed
     feeds = random_feeds(declared_inputs(model.graph), {"image": shape})
-    ours, reference = compiled_session(name).run(feeds), run_onnxruntime(model, feeds)
+    ours, reference = compiled(name)[1].run(feeds), run_onnxruntime(model, feeds)
     for output, expected in reference.items():
         assert ours[output].shape == expected.shape, (output, shape)
         np.testing.assert_allclose(ours[output], expected, rtol=1e-4, atol=1e-4,
