@@ -195,6 +195,8 @@ def test_two_processes_share_the_physical_pages_of_the_weights(tmp_path):
 
 CONCURRENT_WRITER = textwrap.dedent("""
     import sys, tightfit
+    from tightfit.fresh_process import forbid_torch
+    forbid_torch()  # 4-5 s of each writer's start, which compiles an ONNX file only
     for _ in range(3):
         tightfit.compile(sys.argv[1]).save(sys.argv[2])
 """)

@@ -226,6 +226,8 @@ import ctypes, mmap, sys
 import numpy as np
 from onnx import TensorProto, helper
 import tightfit
+from tightfit.fresh_process import forbid_torch
+forbid_torch()  # 4-5 s of the process's start, which runs an ONNX model only
 from tightfit.feeds import run_onnxruntime
 
 op, width, rows = sys.argv[1], int(sys.argv[2]), 3
