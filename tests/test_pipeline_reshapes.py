@@ -33,13 +33,13 @@ def test_a_channel_shuffle_over_a_dynamic_map_reshapes_by_views():
     (the indices divide by the symbolic extents), and they ran as copies, 257 us each at
     30 x 24 x 24. Marked when legalized, both are views; the transposes are the only kernels."""
     model = zoo.get("grouped_convnet").build()
+    stages = {}
+    session = tightfit.compile(model, after_pass=stages.setdefault).session()
     # the kernels as scheduling gets them: the reshapes are views or kernels by then
-    fused, _ = run_pipeline(import_onnx(model).mod, resolve_target("host"),
-                            stop_after="tightfit.ShareIdenticalKernels")
-    kernels = [gv.name_hint for gv in fused.functions if gv.name_hint != "main"]
+    kernels = [gv.name_hint for gv in stages["tightfit.ShareIdenticalKernels"].functions
+               if gv.name_hint != "main"]
     assert [name for name in kernels if "reshape" in name] == []
     assert any("transpose" in name for name in kernels)
-    session = tightfit.compile(model).session()
     for shape in [(1, 3, 96, 96), (2, 3, 50, 70)]:
         feeds = {"image": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
         np.testing.assert_allclose(session.run(feeds)["logits"],
