@@ -1,20 +1,21 @@
 """Compute CumSum and CumProd with a kernel over a [before, length, after] view of the tensor.
 
-MNN's pre-inference idea applied to compile time: a kernel whose index arithmetic the compiler
-cannot simplify costs more to build than the whole rest of a small model. TVM's scan
+Not one of the five papers' techniques: a kernel for an op that TVM builds badly. TVM's scan
 (`topi.cumsum`, which DispatchSortScan picks on a CPU) walks a flat index and divides it back
 into every dim of the tensor, by symbolic sizes: `((v // (b*c) * a * (b*c) + v % (b*c) + k *
-(b*c)) // c // b, ...)` for an [a, b, c] tensor along axis 0. LLVM code generation expands each
-floor division by a value of unknown sign into selects that repeat their operands, so nested
-divisions grow the expression exponentially: that one kernel took 4.4-5.5 s to build here, the
-whole CumSum test model (a scan per axis) 12 s.
+(b*c)) // c // b, ...)` for an [a, b, c] tensor along axis 0. Building that one kernel took
+4.4-5.5 s here, whatever LLVM's opt-level, nearly all of it in TVM's code generation, whose
+profile is its arithmetic simplifier (nested floor divisions by values of unknown sign); the
+kernel is 1.6 KB of TIR and 641 lines of LLVM IR.
 
 Here the tensor is viewed (a reshape, no copy) as [before, length, after]: the dims before the
 axis, the axis, the dims after it (a flattening scan: [1, size, 1]). One kernel scans it with
 three plain indices. Each task runs the scan down the axis for one row of `before` and up to
 COLUMN_BLOCK adjacent columns of `after`, so the innermost loop reads and writes contiguous
 memory (LLVM vectorizes it) and a scan along an outer axis still has tasks for every thread.
-The same CumSum kernel builds in 0.1 s.
+The CumSum test model (a scan per axis) builds in 0.27 s instead of 5.4 s, and at 16 x 128 x 512 floats (2
+threads, this host) its scans along axes 0, 1 and 2 ran in 0.18, 0.15 and 0.59 ms against
+TVM's 7.6, 4.9 and 2.7 ms.
 """
 
 from __future__ import annotations

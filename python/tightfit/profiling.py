@@ -25,6 +25,7 @@ Host sessions only: over RPC the instrument would run on the device, where Pytho
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,13 +102,14 @@ def profile_kernels(session, feeds: dict[str, np.ndarray], number: int = 20,
                           "--rpc-tracker HOST:PORT --rpc-key KEY`")
     kernels_module = _kernel_library(session.executable)
     call_sites: dict[tuple[str, int], KernelTime] = {}
-    calls_of = _CallCounter()
+    calls_of: Counter[str] = Counter()  # (kernel, n-th call) names a call site
 
     def instrument(func, symbol, before_run, return_value, *arguments):
         if before_run and kernels_module.implements_function(symbol):
             timer = kernels_module.time_evaluator(symbol, session.device, number=number,
                                                   repeat=repeat)
-            call = calls_of.next(symbol)
+            calls_of[symbol] += 1
+            call = calls_of[symbol]
             call_sites[symbol, call] = KernelTime(symbol, call, min(timer(*arguments).results), [
                 tuple(argument.shape) if hasattr(argument, "shape") else argument
                 for argument in arguments])
@@ -126,21 +128,11 @@ def profile_kernels(session, feeds: dict[str, np.ndarray], number: int = 20,
         if site in call_sites:  # a call in a branch the profiled run did not take has no row
             call_sites[site].in_run_seconds = seconds
     for site in call_sites.values():
-        site.calls = calls_of.counts[site.name]
+        site.calls = calls_of[site.name]
     run_seconds = float(np.median(session.time_run(feeds, repeat=max(20, repeat))))
     return Profile(sorted(call_sites.values(), key=lambda k: -k.in_run_seconds), run_seconds,
                    instrumented_run_seconds)
 
-
-class _CallCounter:
-    """Numbers each kernel's calls in a run: (kernel, n) names a call site."""
-
-    def __init__(self):
-        self.counts: dict[str, int] = {}
-
-    def next(self, symbol: str) -> int:
-        self.counts[symbol] = self.counts.get(symbol, 0) + 1
-        return self.counts[symbol]
 
 
 def _in_run_seconds(session, kernels_module, arguments: list
@@ -150,7 +142,7 @@ def _in_run_seconds(session, kernels_module, arguments: list
     runs: list[dict[tuple[str, int], float]] = []
     run_seconds: list[float] = []
     started: dict[str, float] = {}
-    calls_of = _CallCounter()
+    calls_of: Counter[str] = Counter()
 
     def instrument(func, symbol, before_run, return_value, *call_arguments):
         if kernels_module.implements_function(symbol):
@@ -158,7 +150,8 @@ def _in_run_seconds(session, kernels_module, arguments: list
             if before_run:
                 started[symbol] = now
             else:
-                runs[-1][symbol, calls_of.next(symbol)] = now - started[symbol]
+                calls_of[symbol] += 1
+                runs[-1][symbol, calls_of[symbol]] = now - started[symbol]
         return 0  # VMInstrumentReturnKind.NO_OP
 
     timed_vm = relax.VirtualMachine(session.executable, session.device)
@@ -166,7 +159,7 @@ def _in_run_seconds(session, kernels_module, arguments: list
     main = _interpreted_main(timed_vm)
     for _ in range(IN_RUN_RUNS):
         runs.append({})
-        calls_of.counts.clear()
+        calls_of.clear()
         run_started = time.perf_counter()
         timed_vm[main](*arguments)
         run_seconds.append(time.perf_counter() - run_started)
