@@ -79,10 +79,10 @@ SCHEDULED = "tightfit.FallbackCPUSchedule"  # the pass after which every kernel 
 
 def compile_keeping(model, *stages: str, **compile_args) -> tuple:
     """`tightfit.compile(model, **compile_args)`, then its module after each pass named in
-    `stages`: one pipeline run for both a test's checks of the IR and of the outputs."""
+    `stages` (after its first run, for a pass the pipeline runs more than once): one pipeline
+    run for both a test's checks of the IR and of the outputs."""
     kept: dict[str, tvm.IRModule] = {}
-    package = tightfit.compile(model, after_pass=kept.setdefault,
-                               **compile_args)
+    package = tightfit.compile(model, after_pass=kept.setdefault, **compile_args)
     return (package, *(kept[stage] for stage in stages))
 
 
