@@ -48,7 +48,8 @@ def chunk_steps(available, lanes: int, index_type: str,
     caller's analyzer, which may know the kernel version's bounds) shows never runs is left
     out: the passes lowering a kernel take time in proportion to its `if`s."""
     prove = prove or tvm.sym.Analyzer().can_prove
-    total = tvm.sym.Analyzer().simplify(tirx.max(available, 0))
+    total = available if prove(available >= 0) else tvm.sym.Analyzer().simplify(
+        tirx.max(available, 0))
     var = tirx.Var("k", index_type)
     steps = [] if prove(total < lanes) else [
         tirx.For(var, tirx.const(0, index_type), tirx.floordiv(total, lanes),
