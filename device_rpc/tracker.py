@@ -11,13 +11,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DeviceError
+from ..fresh_process import worker_command
 
 CONNECT_TIMEOUT_S = 3.0
 START_TRACKER_HINT = "start one with `python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port 9190`"
@@ -129,8 +129,8 @@ def start_tracker(port: int, host: str = "127.0.0.1", log: Path | None = None,
     answers. Its output goes to `log` (discarded without one)."""
     output = open(log, "w") if log is not None else subprocess.DEVNULL
     with output if log is not None else contextlib.nullcontext():
-        process = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", host,
-                                    "--port", str(port), "--port-end", str(port + 1)],
+        process = subprocess.Popen(worker_command("tvm.exec.rpc_tracker", "--host", host,
+                                                  "--port", str(port), "--port-end", str(port + 1)),
                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     address = TrackerAddress(host, port)
     deadline = time.monotonic() + timeout_s

@@ -41,6 +41,7 @@ from tvm.s_tir.meta_schedule.builder.local_builder import _worker_func as _build
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from ..errors import DeviceError
+from ..fresh_process import children_without_torch
 from ..target import code_generation_target
 from .tracker import TrackerAddress, devices_under, request
 
@@ -122,36 +123,40 @@ def tune(mod: tvm.IRModule, session: TuningSession, database_dir: str | Path, tr
             seed=seed)
     started = time.perf_counter()
     callback = RecordAndWatch(session, report, progress, started)
-    builder = SessionBuilder(session.build_timeout_s, _exporter(session.export_library))
-    runner = ms.runner.RPCRunner(
-        ms.runner.RPCConfig(session.tracker.host, session.tracker.port, session.key,
-                            session_timeout_sec=int(session.session_timeout_s)),
-        ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
-        f_create_session=_create_session, max_workers=devices)
-    # RPCRunner's workers have no time limit: a request for a key whose devices are gone waits at
-    # the tracker forever. Each candidate gets the session timeout, plus time to upload. The limit
-    # is set on the runner's own pool, whose worker its sanity check has started (a new pool's
-    # worker took another 9 s to import TVM before the first candidate ran).
-    runner.pool._timeout = session.session_timeout_s + UPLOAD_SLACK_S
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            ms.tune.tune_tasks(
-                tasks=contexts, task_weights=weights, work_dir=str(database_dir / "logs"),
-                max_trials_global=remaining, num_trials_per_iter=min(trials_per_batch, remaining),
-                builder=builder, runner=runner, database=database,
-                # the XGBoost model trains after a few records, not after MetaSchedule's default 100
-                cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, remaining)),
-                measure_callbacks=[callback, ms.measure_callback.RemoveBuildArtifact(),
-                                   ms.measure_callback.UpdateCostModel()],
-                task_scheduler="round-robin")
-    except Exception as err:  # a DeviceLostError raised by the callback arrives wrapped by TVM's FFI
-        if callback.lost is not None:
-            raise callback.lost from None
-        raise DeviceError(f"tuning stopped: {str(err).strip().splitlines()[-1]}; the records measured so far "
-                          f"are in {database_dir}, run the same command again to go on") from err
-    finally:
-        report.seconds = time.perf_counter() - started
-        builder.shutdown()
+    # the build and run workers import TVM, and tvm_ffi imports torch where installed: 3-4 s
+    # of each worker's start here, for nothing
+    with children_without_torch():
+        builder = SessionBuilder(session.build_timeout_s, _exporter(session.export_library))
+        runner = ms.runner.RPCRunner(
+            ms.runner.RPCConfig(session.tracker.host, session.tracker.port, session.key,
+                                session_timeout_sec=int(session.session_timeout_s)),
+            ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=0, enable_cpu_cache_flush=False),
+            f_create_session=_create_session, max_workers=devices)
+        # RPCRunner's workers have no time limit: a request for a key whose devices are gone
+        # waits at the tracker forever. Each candidate gets the session timeout, plus time to
+        # upload. The limit is set on the runner's own pool, whose worker its sanity check has
+        # started (a new pool's worker took another 9 s to import TVM before the first
+        # candidate ran).
+        runner.pool._timeout = session.session_timeout_s + UPLOAD_SLACK_S
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                ms.tune.tune_tasks(
+                    tasks=contexts, task_weights=weights, work_dir=str(database_dir / "logs"),
+                    max_trials_global=remaining, num_trials_per_iter=min(trials_per_batch, remaining),
+                    builder=builder, runner=runner, database=database,
+                    # the XGBoost model trains after a few records, not after MetaSchedule's default 100
+                    cost_model=ms.cost_model.XGBModel(num_warmup_samples=min(8, remaining)),
+                    measure_callbacks=[callback, ms.measure_callback.RemoveBuildArtifact(),
+                                       ms.measure_callback.UpdateCostModel()],
+                    task_scheduler="round-robin")
+        except Exception as err:  # a DeviceLostError raised by the callback arrives wrapped by TVM's FFI
+            if callback.lost is not None:
+                raise callback.lost from None
+            raise DeviceError(f"tuning stopped: {str(err).strip().splitlines()[-1]}; the records measured so far "
+                              f"are in {database_dir}, run the same command again to go on") from err
+        finally:
+            report.seconds = time.perf_counter() - started
+            builder.shutdown()
     return report
 
 

@@ -1,5 +1,6 @@
 """A worker process runs its module as `python -m` would, with its arguments, and without torch;
-the `tightfit` command imports torch only where the zoo's PyTorch-exported models need it."""
+so do the workers TVM's popen pool starts for a tuning session; the `tightfit` command imports
+torch only where the zoo's PyTorch-exported models need it."""
 
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from tightfit.fresh_process import worker_command
+from tightfit.fresh_process import children_without_torch, worker_command
 
 PROBE = """
 import sys
@@ -48,3 +49,20 @@ def test_the_command_imports_torch_for_the_zoo_alone(command, torch_found):
                                text=True, timeout=300)
     assert completed.stdout.splitlines()[-1] == torch_found, completed.stderr
 
+
+
+def test_workers_whose_command_is_not_ours_start_without_torch(monkeypatch):
+    """MetaSchedule's build and run workers: TVM's popen pool hard-codes their command, and their
+    TVM import brought torch in (tvm_ffi imports it where installed)."""
+    from tvm.support.popen_pool import PopenPoolExecutor
+
+    monkeypatch.setenv("PYTHONPATH", "/a/path/of/the/users")
+    with children_without_torch():
+        pool = PopenPoolExecutor(max_workers=1)
+        in_worker = pool.submit(lambda: (sorted({"tvm", "torch"} & set(__import__("sys").modules)),
+                                         __import__("os").environ["PYTHONPATH"])).result()
+        pool.shutdown()
+    modules, path = in_worker
+    assert modules == ["tvm"]
+    assert path.endswith(os.pathsep + "/a/path/of/the/users")
+    assert os.environ["PYTHONPATH"] == "/a/path/of/the/users"
