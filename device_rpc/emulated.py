@@ -32,6 +32,7 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import user_cache
 from ..errors import DeviceError
 from .tracker import (TrackerAddress, check_reachable, devices_under, free_port, start_tracker,
                       stop_process_group, wait_for_key)
@@ -66,7 +67,7 @@ server.thread.join()
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TIGHTFIT_CACHE", Path.home() / ".cache" / "tightfit")) / "emulated-arm64"
+    return user_cache.cache_dir() / "emulated-arm64"
 
 
 @dataclass

@@ -105,3 +105,21 @@ def test_a_dynamic_entry_with_one_shape_set_is_rejected():
 def test_zoo_models_are_built_the_same_every_time():
     entry = zoo.get("resnet_style")
     assert entry.build().SerializeToString() == entry.build().SerializeToString()
+
+
+def test_a_pytorch_export_is_made_once_and_then_read_from_the_user_cache(monkeypatch, tmp_path):
+    """The dynamo exporter takes 4-9 s a model, in every process that builds one; the cached
+    file is named by the builder's arguments as bound (defaults included)."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))
+    exported = zoo.transformer_encoder().SerializeToString()
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(zoo, "_export", no_export)
+    assert zoo.transformer_encoder(False, width=32).SerializeToString() == exported
+    assert zoo.get("transformer_encoder").build().SerializeToString() == exported
+    with pytest.raises(AssertionError, match="exported again"):
+        zoo.transformer_encoder(width=64)  # another model
+    assert len(list((tmp_path / "zoo").iterdir())) == 1

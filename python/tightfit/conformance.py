@@ -38,6 +38,7 @@ import onnx
 from onnx.backend.base import Backend, BackendRep
 
 from .fresh_process import worker_command
+from .user_cache import cache_dir, write_whole
 
 PASS, FAIL, NOT_SUPPORTED = "pass", "fail", "not-supported"
 CASE_TIMEOUT_S = 30  # a case still compiling after this counts as failed
@@ -46,7 +47,6 @@ CASE_TIMEOUT_S = 30  # a case still compiling after this counts as failed
 WORKER_START_TIMEOUT_S = 300
 POLL_S = 0.05  # how often the runner looks at the clock while cases run (their time limits)
 READY = "ready"
-NODE_CASE_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tightfit"
 # Element types tightfit compiles for; others (float8, int4, strings...) are outside its scope.
 SUPPORTED_DTYPES = frozenset(
     ["float16", "bfloat16", "float32", "float64", "bool", "int8", "int16", "int32", "int64",
@@ -94,15 +94,14 @@ def node_cases() -> dict:
 
     onnx generates them when they are loaded (its reference implementation computes every
     expected output): 10 s of CPU in each process, and a conformance run starts several (its
-    workers, pytest's). The first process keeps them in a file under NODE_CASE_CACHE, named by
-    onnx's version, which the others read in 0.05 s."""
+    workers, pytest's). The first process keeps them in a file of the user cache, named by onnx's
+    version, which the others read in 0.05 s."""
     import pickle
-    import tempfile
     import warnings
 
     from onnx.backend.test.loader import load_model_tests
 
-    path = NODE_CASE_CACHE / f"onnx-{onnx.__version__}-node-cases.pickle"
+    path = cache_dir() / f"onnx-{onnx.__version__}-node-cases.pickle"
     try:
         with open(path, "rb") as cached:
             return pickle.load(cached)
@@ -111,17 +110,7 @@ def node_cases() -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the case generators overflow casts on purpose
         cases = {case.name: case for case in load_model_tests(kind="node")}
-    try:  # written whole and renamed, so that a process reading it never sees half of it
-        NODE_CASE_CACHE.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=NODE_CASE_CACHE, delete=False) as partial:
-            try:
-                pickle.dump(cases, partial, protocol=pickle.HIGHEST_PROTOCOL)
-            except BaseException:
-                os.unlink(partial.name)
-                raise
-        os.replace(partial.name, path)
-    except OSError:
-        pass  # a read-only home: generate them in every process, as before
+    write_whole(path, lambda file: pickle.dump(cases, file, protocol=pickle.HIGHEST_PROTOCOL))
     return cases
 
 

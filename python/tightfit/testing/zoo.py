@@ -11,15 +11,22 @@ dynamo, whose graphs differ (nn.TransformerEncoder by dynamo only: TorchScript c
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
+import inspect
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import user_cache
 from ..examples.make_examples import convnet_dynamic
 from . import rdp_cases
 
@@ -256,6 +263,36 @@ def topk_computed_k() -> onnx.ModelProto:
 
 # --- models exported from PyTorch ------------------------------------------------------------------
 
+def _exported_once(build: Callable[..., onnx.ModelProto]) -> Callable[..., onnx.ModelProto]:
+    """`build`, a model exported from PyTorch, reading its ONNX file from the user cache
+    (user_cache.py) once one process has exported it: a dynamo export takes 4-9 s here, and
+    tests, benchmark workers and `tightfit bench --zoo` build the same models in many processes.
+    The file's name is a hash of all an export depends on: the builder and its arguments, this
+    file's source (the models, their seeds) and the versions of torch and onnx."""
+    signature = inspect.signature(build)
+
+    @functools.wraps(build)
+    def cached(*args, **kwargs) -> onnx.ModelProto:
+        try:
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            return build(*args, **kwargs)  # which says torch is missing
+        arguments = signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        key = hashlib.sha256(repr((build.__name__, sorted(arguments.arguments.items()), torch_version,
+                                   onnx.__version__)).encode() + Path(__file__).read_bytes())
+        path = user_cache.cache_dir() / "zoo" / f"{build.__name__}-{key.hexdigest()[:20]}.onnx"
+        try:
+            return onnx.load(path)
+        except (OSError, DecodeError):
+            pass  # not exported yet (or a file cut short by a full disk): export it
+        model = build(*args, **kwargs)
+        user_cache.write_whole(path, lambda file: file.write(model.SerializeToString()))
+        return model
+
+    return cached
+
+
 def _export(module, example_inputs: tuple, input_names: list[str], output_names: list[str],
             dynamic_axes: dict, dynamo: bool) -> onnx.ModelProto:
     """`module` exported to ONNX in memory, by the TorchScript exporter or by dynamo (torch.export).
@@ -300,6 +337,7 @@ def _torch_attention(width: int, heads: int):
     return Attention()
 
 
+@_exported_once
 def transformer_encoder(dynamo: bool = False, width: int = 32, heads: int = 4,
                         mlp_ratio: int = 2) -> onnx.ModelProto:
     """Two pre-norm encoder layers (multi-head self-attention, GELU MLP of `mlp_ratio` x width)
@@ -339,6 +377,7 @@ def _token_feeds(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     return {"tokens": np.random.default_rng(sum(shapes["tokens"])).integers(0, 100, shapes["tokens"])}
 
 
+@_exported_once
 def detector_fpn(dynamo: bool = False) -> onnx.ModelProto:
     """A detector-style neck: a strided backbone, the coarse map upsampled to the size of the fine
     one (F.interpolate with size= taken from a tensor's shape) and by scale factor 2, concatenated
@@ -370,6 +409,7 @@ def detector_fpn(dynamo: bool = False) -> onnx.ModelProto:
                    dynamo)
 
 
+@_exported_once
 def speech_encoder(dynamo: bool = False) -> onnx.ModelProto:
     """A speech-style encoder: two stride-2 conv1d layers subsample 40-bin features over time, then
     one self-attention layer with a residual; batch and time are dynamic."""
@@ -395,6 +435,7 @@ def speech_encoder(dynamo: bool = False) -> onnx.ModelProto:
                    {"features": {0: "batch", 1: "time"}, "encoded": {0: "batch", 1: "frames"}}, dynamo)
 
 
+@_exported_once
 def torch_transformer_layers() -> onnx.ModelProto:
     """PyTorch's own nn.TransformerEncoder (two post-norm layers, batch first), which only the
     dynamo exporter can export in eval mode (TorchScript has no ONNX form of its fused
@@ -409,6 +450,7 @@ def torch_transformer_layers() -> onnx.ModelProto:
     return _export(encoder, (x,), ["x"], ["y"], {"x": {0: "batch", 1: "sequence"}}, dynamo=True)
 
 
+@_exported_once
 def bert_encoder() -> onnx.ModelProto:
     """BERT's encoder as Hugging Face writes it (two post-norm layers of width 32, 4 heads of 8,
     GELU MLP of 64), exported by dynamo: separate Q, K and V projections, each reshaped to
@@ -468,6 +510,7 @@ def _padded_token_feeds(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndar
             "mask": (np.arange(length)[None, :] < kept[:, None]).astype(np.int64)}
 
 
+@_exported_once
 def mobilenet_v2() -> onnx.ModelProto:
     """MobileNetV2 at full size (width 1.0, Sandler et al. 2018, torchvision's layer table:
     3.5 M parameters, 0.3 GMAC at 224 x 224) with random weights and batch-norm statistics:
