@@ -268,18 +268,19 @@ def _exported_once(build: Callable[..., onnx.ModelProto]) -> Callable[..., onnx.
     (user_cache.py) once one process has exported it: a dynamo export takes 4-9 s here, and
     tests, benchmark workers and `tightfit bench --zoo` build the same models in many processes.
     The file's name is a hash of all an export depends on: the builder and its arguments, this
-    file's source (the models, their seeds) and the versions of torch and onnx."""
+    file's source (the models, their seeds) and the versions of torch, onnxscript (dynamo's
+    ONNX writer) and onnx."""
     signature = inspect.signature(build)
 
     @functools.wraps(build)
     def cached(*args, **kwargs) -> onnx.ModelProto:
         try:
-            torch_version = importlib.metadata.version("torch")
+            versions = [importlib.metadata.version(package) for package in ("torch", "onnxscript")]
         except importlib.metadata.PackageNotFoundError:
-            return build(*args, **kwargs)  # which says torch is missing
+            return build(*args, **kwargs)  # which says what is missing
         arguments = signature.bind(*args, **kwargs)
         arguments.apply_defaults()
-        key = hashlib.sha256(repr((build.__name__, sorted(arguments.arguments.items()), torch_version,
+        key = hashlib.sha256(repr((build.__name__, sorted(arguments.arguments.items()), versions,
                                    onnx.__version__)).encode() + Path(__file__).read_bytes())
         path = user_cache.cache_dir() / "zoo" / f"{build.__name__}-{key.hexdigest()[:20]}.onnx"
         try:
