@@ -124,7 +124,8 @@ def tune(mod: tvm.IRModule, session: TuningSession, database_dir: str | Path, tr
     started = time.perf_counter()
     callback = RecordAndWatch(session, report, progress, started)
     # the build and run workers import TVM, and tvm_ffi imports torch where installed: 3-4 s
-    # of each worker's start here, for nothing
+    # of each worker's start here, for nothing. The whole session runs inside: the pools
+    # replace workers as it goes (after WORKER_BUILDS builds, a crash or a time-out).
     with children_without_torch():
         builder = SessionBuilder(session.build_timeout_s, _exporter(session.export_library))
         runner = ms.runner.RPCRunner(

@@ -50,7 +50,6 @@ def test_the_command_imports_torch_for_the_zoo_alone(command, torch_found):
     assert completed.stdout.splitlines()[-1] == torch_found, completed.stderr
 
 
-
 def test_workers_whose_command_is_not_ours_start_without_torch(monkeypatch):
     """MetaSchedule's build and run workers: TVM's popen pool hard-codes their command, and their
     TVM import brought torch in (tvm_ffi imports it where installed)."""

@@ -6,7 +6,9 @@ static and dynamic CNNs, an `If` and data-dependent shapes; models built in PyTo
 with `torch.onnx.export` with `dynamic_axes` carry the patterns most users' files have: attention
 scaling constants, shape arithmetic feeding Reshape, Resize to a size taken from another tensor.
 The PyTorch models are exported by both of torch's exporters, TorchScript (`dynamo=False`) and
-dynamo, whose graphs differ (nn.TransformerEncoder by dynamo only: TorchScript cannot). Torch is imported only when a torch model is built.
+dynamo, whose graphs differ (nn.TransformerEncoder by dynamo only: TorchScript cannot). Torch is
+imported only to export a torch model; each export is made once and kept in the user cache
+(`_exported_once`).
 """
 
 from __future__ import annotations
