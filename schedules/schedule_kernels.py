@@ -31,6 +31,7 @@ from .dispatch import (
     parallel_buckets,
     row_buckets,
     run_first_where,
+    serial_twin,
     with_dims_known_non_negative,
 )
 from .fallback_cpu import has_root_block, is_scheduled, parallelize_outer_loops
@@ -122,7 +123,13 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
                for version, row_condition in version_buckets
                for parallel, work_condition in parallel_buckets(loop_work(base, MAC_KERNELS),
                                                                min_parallel_work)]
+    # row version -> (its parallel schedule, the rewrites still to apply)
+    parallel_schedules: dict[str, tuple[tirx.PrimFunc, list]] = {}
     for version, parallel, condition in buckets:
+        if not parallel and version in parallel_schedules:
+            scheduled, rewrites = parallel_schedules[version]
+            versions.append((condition, apply_rewrites(serial_twin(scheduled), rewrites)))
+            continue
         sch = base.copy()
         tiles = sch.get_sblock(block_name)
         out_block = inline_epilogue(sch, _single_consumer(sch, tiles))
@@ -148,6 +155,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         _tiles_in_tile_scope(sch, tiles)
         if parallel:
             parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
+        if parallel:
+            parallel_schedules[version] = (sch.mod["main"], rewrites)
         versions.append((condition, apply_rewrites(sch.mod["main"], rewrites)))
     joined = join_versions(versions)
     if direct is not None:

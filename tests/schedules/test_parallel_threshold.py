@@ -17,7 +17,9 @@ from tightfit.schedules.dispatch import MAC_WORK_DIVISOR, loop_work
 from tightfit.schedules.fallback_cpu import has_root_block
 from tightfit.schedules.knob_search import calibrate_min_parallel_work
 from tightfit.schedules.register_tile import KERNEL_ANNOTATION
+from tightfit.schedules import conv2d, schedule_kernels
 from tightfit.schedules.schedule_kernels import MAC_KERNELS, find_kernel_block
+from tightfit.schedules.tail_tiles import rewrite_loop_nest
 from tightfit.target import resolve_target
 
 from kernel_harness import threshold_database
@@ -26,14 +28,15 @@ CHANNELS, OUT_CHANNELS, SIZE = 12, 24, 16
 MACS = OUT_CHANNELS * SIZE * SIZE * CHANNELS * 9
 
 
-def static_conv_model():
-    """A 12 -> 24 channel 3x3 conv over a static 16x16 image, as conv_dynamic_hw's second."""
+def static_conv_model(height=SIZE, width=SIZE):
+    """A 12 -> 24 channel 3x3 conv over a 16x16 image (by default), as conv_dynamic_hw's
+    second."""
     rng = np.random.default_rng(4)
     weight = rng.standard_normal((OUT_CHANNELS, CHANNELS, 3, 3)).astype(np.float32) * 0.2
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])],
-        "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, CHANNELS, SIZE, SIZE])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, OUT_CHANNELS, SIZE, SIZE])],
+        "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, CHANNELS, height, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, OUT_CHANNELS, height, width])],
         [numpy_helper.from_array(weight, "w")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -77,6 +80,41 @@ def test_a_conv_runs_serially_exactly_when_its_weighted_work_is_below_the_thresh
     feeds = {"x": image.astype(np.float32)}
     ours = tightfit.compile(model, options=options).session().run(feeds)
     np.testing.assert_allclose(ours["y"], run_onnxruntime(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
+def test_each_serial_version_is_its_parallel_twin_with_serial_loops(monkeypatch):
+    # over a symbolic image the work may fall either side of the threshold: each row version
+    # comes parallel, then serial, joined in that order; only the parallel one is scheduled,
+    # the serial one is made from it (dispatch.serial_twin)
+    schedules = []
+    for module, name in [(schedule_kernels, "schedule_register_tiles"),
+                         (conv2d, "schedule_width_vectors"), (conv2d, "schedule_depthwise")]:
+        def counted(*args, schedule=getattr(module, name), **kwargs):
+            schedules.append(args)
+            return schedule(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    scheduled, _ = run_pipeline(import_onnx(static_conv_model("height", "width")).mod,
+                                resolve_target("host"), PipelineOptions(),
+                                stop_after="tightfit.FallbackCPUSchedule")
+    kernel, = (func for global_var, func in scheduled.functions.items()
+               if isinstance(func, tirx.PrimFunc) and "conv2d" in global_var.name_hint)
+    loop_kinds: dict[str, list] = {}
+
+    def note_version(realize):
+        if realize.block.name_hint.startswith("version_"):
+            kinds = loop_kinds[realize.block.name_hint] = []
+            rewrite_loop_nest(realize.block.body, lambda inner: inner,
+                              on_enter_for=lambda loop: kinds.append(loop.kind))
+        return realize
+
+    rewrite_loop_nest(kernel.body, note_version)
+    versions = [loop_kinds[f"version_{index}"] for index in range(len(loop_kinds))]
+    assert len(versions) >= 4 and len(versions) % 2 == 0
+    assert len(schedules) == len(versions) // 2
+    for parallel, serial in zip(versions[::2], versions[1::2]):
+        assert tirx.ForKind.PARALLEL in parallel
+        assert serial == [tirx.ForKind.SERIAL if kind == tirx.ForKind.PARALLEL else kind
+                          for kind in parallel]
 
 
 def test_the_calibrated_threshold_is_a_power_of_two_within_the_measured_range():
