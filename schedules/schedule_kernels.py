@@ -6,7 +6,8 @@ knobs as block annotations (register_tile.py); FuseTIR keeps block annotations, 
 this pass finds the tiles block, inlines the fused elementwise epilogue into the kernel's
 write-back, schedules each shape bucket of dispatch.py, and joins the versions with an `if` on
 the run-time extent. Each row version comes serial and parallel where the kernel's work may
-fall below the parallel threshold (dispatch.parallel_buckets). Winograd's transform kernels
+fall below the parallel threshold (dispatch.parallel_buckets), the serial one made from the
+parallel one (dispatch.serial_twin). Winograd's transform kernels
 have no register tiles, so only those two versions (winograd.py). A last-axis softmax or layer
 norm gets the row kernel of row_kernels.py, a max pool the vector kernel of pool_kernels.py, an
 attention that FuseAttention marked the kernel of attention.py.
