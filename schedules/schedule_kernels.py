@@ -120,10 +120,10 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         channels = int(base.get(base.get_sblock(block_name)).iter_vars[1].dom.extent)
         _, tile_pixels = conv2d.channel_vector_tile(isa, channels)
         version_buckets = conv2d.channel_vector_buckets(row_extent, tile_pixels)
+    work_buckets = parallel_buckets(loop_work(base, MAC_KERNELS), min_parallel_work)
     buckets = [(version, parallel, combine(row_condition, work_condition))
                for version, row_condition in version_buckets
-               for parallel, work_condition in parallel_buckets(loop_work(base, MAC_KERNELS),
-                                                               min_parallel_work)]
+               for parallel, work_condition in work_buckets]
     # row version -> (its parallel schedule, the rewrites still to apply)
     parallel_schedules: dict[str, tuple[tirx.PrimFunc, list]] = {}
     for version, parallel, condition in buckets:
