@@ -241,9 +241,13 @@ def _tile_columns(base: s_tir.Schedule, block_name: str):
 
 def _schedule_transform(base: s_tir.Schedule, block_name: str, annotations: dict, isa: VectorISA,
                         min_parallel_work: int) -> tirx.PrimFunc:
-    """A Winograd transform kernel: no register tiles, so only the serial/parallel versions."""
+    """A Winograd transform kernel: no register tiles, so only the serial/parallel versions
+    (the serial one the parallel one's `serial_twin`)."""
     versions = []
     for parallel, condition in parallel_buckets(loop_work(base), min_parallel_work):
+        if not parallel and versions:
+            versions.append((condition, serial_twin(versions[-1][1])))
+            continue
         sch = base.copy()
         tiles = sch.get_sblock(block_name)
         if annotations[KERNEL_ANNOTATION] == winograd.WINOGRAD_INPUT:
