@@ -156,7 +156,6 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
         _tiles_in_tile_scope(sch, tiles)
         if parallel:
             parallelize_outer_loops(sch, skip=_kernel_block_names(sch, block_name, out_block))
-        if parallel:
             parallel_schedules[version] = (sch.mod["main"], rewrites)
         versions.append((condition, apply_rewrites(sch.mod["main"], rewrites)))
     joined = join_versions(versions)

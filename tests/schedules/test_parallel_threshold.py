@@ -13,11 +13,11 @@ import tightfit
 from tightfit.feeds import run_onnxruntime
 from tightfit.frontend import import_onnx
 from tightfit.pipeline import PipelineOptions, run_pipeline
+from tightfit.schedules import conv2d, schedule_kernels
 from tightfit.schedules.dispatch import MAC_WORK_DIVISOR, loop_work
 from tightfit.schedules.fallback_cpu import has_root_block
 from tightfit.schedules.knob_search import calibrate_min_parallel_work
 from tightfit.schedules.register_tile import KERNEL_ANNOTATION
-from tightfit.schedules import conv2d, schedule_kernels
 from tightfit.schedules.schedule_kernels import MAC_KERNELS, find_kernel_block
 from tightfit.schedules.tail_tiles import rewrite_loop_nest
 from tightfit.target import resolve_target
@@ -28,9 +28,9 @@ CHANNELS, OUT_CHANNELS, SIZE = 12, 24, 16
 MACS = OUT_CHANNELS * SIZE * SIZE * CHANNELS * 9
 
 
-def static_conv_model(height=SIZE, width=SIZE):
-    """A 12 -> 24 channel 3x3 conv over a 16x16 image (by default), as conv_dynamic_hw's
-    second."""
+def conv_model(height=SIZE, width=SIZE):
+    """A 12 -> 24 channel 3x3 conv, as conv_dynamic_hw's second, over a static 16x16 image
+    unless the height and width are given (dim names for symbolic ones)."""
     rng = np.random.default_rng(4)
     weight = rng.standard_normal((OUT_CHANNELS, CHANNELS, 3, 3)).astype(np.float32) * 0.2
     graph = helper.make_graph(
@@ -46,7 +46,7 @@ def knob_database(tmp_path, threshold: int) -> str:
 
 
 def conv_kernel_before_scheduling() -> s_tir.Schedule:
-    mod, _ = run_pipeline(import_onnx(static_conv_model()).mod, resolve_target("host"),
+    mod, _ = run_pipeline(import_onnx(conv_model()).mod, resolve_target("host"),
                           PipelineOptions(), stop_after="DeadCodeElimination")
     found = [s_tir.Schedule(func) for func in mod.functions.values()
              if isinstance(func, tirx.PrimFunc) and has_root_block(func)]
@@ -69,13 +69,13 @@ def test_a_conv_runs_serially_exactly_when_its_weighted_work_is_below_the_thresh
     # between the two counts, only the weighting can send the kernel to one thread
     threshold = (weighted + unweighted) // 2 if side == "below" else weighted
     options = PipelineOptions(knob_database=knob_database(tmp_path, threshold))
-    scheduled, _ = run_pipeline(import_onnx(static_conv_model()).mod, resolve_target("host"),
+    scheduled, _ = run_pipeline(import_onnx(conv_model()).mod, resolve_target("host"),
                                 options, stop_after="tightfit.FallbackCPUSchedule")
     kernel = next(func.script() for global_var, func in scheduled.functions.items()
                   if isinstance(func, tirx.PrimFunc) and "conv2d" in global_var.name_hint)
     assert ("T.parallel" in kernel) == (side == "above")
 
-    model = static_conv_model()
+    model = conv_model()
     image = np.random.default_rng(5).standard_normal((1, CHANNELS, SIZE, SIZE))
     feeds = {"x": image.astype(np.float32)}
     ours = tightfit.compile(model, options=options).session().run(feeds)
@@ -93,7 +93,7 @@ def test_each_serial_version_is_its_parallel_twin_with_serial_loops(monkeypatch)
             schedules.append(args)
             return schedule(*args, **kwargs)
         monkeypatch.setattr(module, name, counted)
-    scheduled, _ = run_pipeline(import_onnx(static_conv_model("height", "width")).mod,
+    scheduled, _ = run_pipeline(import_onnx(conv_model("height", "width")).mod,
                                 resolve_target("host"), PipelineOptions(),
                                 stop_after="tightfit.FallbackCPUSchedule")
     kernel, = (func for global_var, func in scheduled.functions.items()
