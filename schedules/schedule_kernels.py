@@ -124,7 +124,8 @@ def schedule_kernel_func(func: tirx.PrimFunc, isa: VectorISA,
     buckets = [(version, parallel, combine(row_condition, work_condition))
                for version, row_condition in version_buckets
                for parallel, work_condition in work_buckets]
-    # row version -> (its parallel schedule, the rewrites still to apply)
+    # row version -> (its parallel schedule, its rewrites): the serial twin is made before the
+    # rewrites and gets them anew, as they add match buffers, which two versions may not share
     parallel_schedules: dict[str, tuple[tirx.PrimFunc, list]] = {}
     for version, parallel, condition in buckets:
         if not parallel and version in parallel_schedules:
